@@ -1,0 +1,35 @@
+# Every target creates .venv on first use, so a fresh clone needs only `make serve` or `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+CONFIG  ?= configs/default.yaml
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: serve test bench install models clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/specserve serve --config $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_engine.py $(ARGS)
+
+models: $(STAMP)
+	$(BIN)/specserve train-default $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,82 @@
+"""Engine configuration: frozen dataclasses, validated on construction."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+SPEC_METHODS = ("draft", "ngram", "none")
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "none"              # "draft" | "ngram" | "none"
+    model: str | None = None          # draft checkpoint directory (method "draft")
+    num_speculative_tokens: int = 4   # gamma
+    draft_temperature: float | None = None  # None: each request's own temperature
+    ngram_max: int = 4
+    ngram_min: int = 1
+    dtype: str | None = None          # draft dtype; None: the target's
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.method == "none":
+            return
+        gamma = self.num_speculative_tokens
+        if not isinstance(gamma, int) or not 1 <= gamma <= MAX_SPEC_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {gamma!r}")
+        if self.method == "draft":
+            if not self.model:
+                raise ValueError("speculative method 'draft' needs a draft model path (speculative.model)")
+            if not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError(f"speculative draft model {self.model!r} is not a checkpoint directory (no config.json)")
+        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.draft_temperature is not None and self.draft_temperature < 0:
+            raise ValueError(f"draft_temperature must be >= 0, got {self.draft_temperature}")
+
+    @property
+    def gamma(self) -> int:
+        return 0 if self.method == "none" else self.num_speculative_tokens
+
+    @classmethod
+    def from_any(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys: {sorted(unknown)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"                   # auto | bfloat16 | float16 | float32
+    device: str = "auto"                  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None      # default: the model's max_position_embeddings
+    block_size: int | None = None         # default: 16 (256 with flash-attn)
+    num_kv_blocks: int | None = None      # fixed block count; else sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        object.__setattr__(self, "speculative", SpeculativeConfig.from_any(self.speculative))
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model {self.model!r} is not a checkpoint directory (no config.json)")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("block_size", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")

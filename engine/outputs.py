@@ -1,0 +1,68 @@
+"""What the engine hands back: per-request deltas and per-step statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (token_id, logprob), best first; empty unless asked for
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Cumulative speculation counters of one request (decode steps only)."""
+    proposed: int = 0         # draft tokens proposed to the target
+    accepted: int = 0         # draft tokens the target accepted
+    target_forwards: int = 0  # verification / decode passes this request took part in
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Engine-side timestamps of one request (time.monotonic()), sent with its final output."""
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request gained in one engine step (a delta, not the whole text)."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0              # cumulative, new_token_ids included
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first delta; entry 0 is None
+    spec: SpecStats = field(default_factory=SpecStats)
+    error: str | None = None                # set when finish_reason == "error"
+    timing: RequestTiming | None = None     # only on the final output (finished=True)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Everything that happened in one Engine.step(), for metrics export."""
+    method: str                       # proposer: "draft" | "ngram" | "none"
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float             # used blocks / total blocks, 0..1
+    batch_size: int                   # requests that ran in this step
+    num_batched_tokens: int           # tokens fed to the target this step
+    num_preemptions: int
+    num_prompt_tokens: int            # prompt tokens computed this step (prefill)
+    num_generation_tokens: int        # tokens emitted to requests this step
+    num_drafts: int                   # requests that verified >= 1 draft token
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_target_forwards: int          # requests that took part in a decode/verify pass
+    accepted_per_position: tuple[int, ...]   # index i: drafts accepted at position i
+    accepted_lengths: tuple[int, ...]        # per request with drafts: accepted count this step
+    draft_time_s: float
+    verify_time_s: float              # target forward + rejection sampling
+    plain_step_time_s: float | None   # estimate of a plain decode step at this batch size (None: unknown yet)
+    finished_reasons: tuple[str, ...] = ()   # finish reasons of requests that ended this step

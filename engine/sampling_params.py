@@ -1,0 +1,55 @@
+"""Per-request sampling settings: validated once, frozen afterwards."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0            # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None          # top-n logprobs per generated token (0: the chosen one only)
+    prompt_logprobs: int | None = None   # same for prompt tokens (the first prompt token has none)
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self.validate()
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, msg: str):
+            if not ok:
+                raise ValueError(f"{name} {msg}")
+
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be -1, 0 or a positive integer, got {self.top_k}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= 20, name, f"must be between 0 and 20, got {value}")
+        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
