@@ -1,0 +1,106 @@
+"""Lossless verification of draft tokens (Leviathan et al. 2023; Chen et al. 2023).
+
+For draft token x_j proposed from q_j, accept with probability
+min(1, p_j(x_j) / q_j(x_j)); at the first rejection emit a token drawn from
+normalize(max(0, p_j - q_j)); if every draft is accepted emit a bonus token from
+p_K. The emitted sequence is then distributed exactly as sampling from p token
+by token. Greedy rows accept while argmax(p_j) == x_j.
+
+All accept/reject math is batched; the only Python loop draws each sampled
+row's random numbers from its own generator, in a fixed order (num_draft
+uniforms, then one V-sized exponential draw for the extra token), so a seeded
+request is reproducible whatever else shares the batch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.sampler import exponential_race, fill_exponential_
+
+
+def rejection_sample(
+    target_probs: Tensor,          # [B, K+1, V] warped target p; row j judges draft j, row num_draft[b] gives the bonus
+    draft_token_ids: Tensor,       # [B, K], anything past num_draft[b]
+    num_draft_tokens: Tensor,      # [B], 0..K
+    draft_probs: Tensor | None,    # [B, K, V] warped draft q; None (or an all-zero row) = one-hot at the draft token
+    is_greedy: Tensor,             # [B] bool
+    generators: list[torch.Generator | None],
+) -> tuple[Tensor, Tensor]:
+    """Returns output_token_ids [B, K+1] (padded with -1) and num_accepted [B].
+
+    Row b emits num_accepted[b] accepted drafts followed by one more token (the
+    recovered token at the first rejection, or the bonus): num_accepted[b] + 1
+    valid tokens.
+    """
+    batch_size, num_rows, vocab_size = target_probs.shape
+    max_draft = num_rows - 1
+    device = target_probs.device
+    rows = torch.arange(batch_size, device=device)
+    num_draft = num_draft_tokens.to(device=device, dtype=torch.long)
+    greedy = is_greedy.to(device=device, dtype=torch.bool)
+
+    valid = torch.arange(max_draft, device=device).unsqueeze(0) < num_draft.unsqueeze(1)  # [B, K]
+    drafts = torch.where(valid, draft_token_ids.to(device=device, dtype=torch.long), 0)    # safe to gather
+    p_at_draft = target_probs[:, :max_draft].gather(2, drafts.unsqueeze(2)).squeeze(2)     # [B, K]
+    if draft_probs is None:
+        q_one_hot = torch.ones_like(valid)
+        q_at_draft = torch.ones_like(p_at_draft)
+    else:
+        q_one_hot = draft_probs.amax(dim=-1) == 0
+        q_at_draft = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
+        q_at_draft = torch.where(q_one_hot, torch.ones_like(q_at_draft), q_at_draft)
+
+    uniforms, noise = _draw_random(
+        is_greedy.tolist(), num_draft_tokens.tolist(), generators, max_draft, vocab_size, device
+    )
+
+    # u < p/q, written without the division; p = 0 is never accepted (u >= 0),
+    # p >= q always is (u < 1).
+    accept_sampled = uniforms * q_at_draft < p_at_draft
+    accept_greedy = target_probs[:, :max_draft].argmax(dim=-1) == drafts
+    accept = torch.where(greedy.unsqueeze(1), accept_greedy, accept_sampled) & valid
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)                                  # [B]
+
+    # The extra token comes from p at the first unaccepted position; for a
+    # sampled row that stopped on a rejection, from the residual max(0, p - q).
+    extra_dist = target_probs[rows, num_accepted]                                           # [B, V]
+    if max_draft > 0:
+        position = num_accepted.clamp(max=max_draft - 1)
+        rejected_token = drafts[rows, position]
+        q_rows = torch.zeros_like(extra_dist).scatter_(1, rejected_token.unsqueeze(1), 1.0)
+        if draft_probs is not None:
+            q_rows = torch.where(q_one_hot[rows, position].unsqueeze(1), q_rows, draft_probs[rows, position])
+        residual = (extra_dist - q_rows).clamp_min(0.0)
+        # residual may be all zero when p == q up to rounding: fall back to p.
+        use_residual = (num_accepted < num_draft) & ~greedy & (residual.sum(dim=-1) > 0)
+        extra_dist = torch.where(use_residual.unsqueeze(1), residual, extra_dist)
+    # Greedy rows carry noise of ones, so the race is a plain argmax there.
+    extra_token = exponential_race(extra_dist, noise)
+
+    positions = torch.arange(num_rows, device=device).unsqueeze(0)
+    accepted_part = torch.cat([drafts, drafts.new_zeros(batch_size, 1)], dim=1)
+    na = num_accepted.unsqueeze(1)
+    output = torch.where(positions < na, accepted_part, torch.where(positions == na, extra_token.unsqueeze(1), -1))
+    return output, num_accepted
+
+
+def _draw_random(
+    greedy: list[bool],
+    num_draft: list[int],
+    generators: list[torch.Generator | None],
+    max_draft: int,
+    vocab_size: int,
+    device,
+) -> tuple[Tensor, Tensor]:
+    """Per sampled row, in this order: num_draft uniforms, then V exponentials.
+    Greedy rows draw nothing (their uniforms are unused, their noise is 1)."""
+    uniforms = torch.ones(len(greedy), max_draft, dtype=torch.float32, device=device)
+    noise = torch.ones(len(greedy), vocab_size, dtype=torch.float32, device=device)
+    for b, is_greedy in enumerate(greedy):
+        if is_greedy:
+            continue
+        if num_draft[b] > 0:
+            uniforms[b, : num_draft[b]] = torch.rand(num_draft[b], generator=generators[b], device=device)
+        fill_exponential_(noise[b], generators[b])
+    return uniforms, noise
