@@ -1,0 +1,5 @@
+"""Llama-family model code and its strict checkpoint loader."""
+from engine.models.llama import CausalLM
+from engine.models.loader import SUPPORTED_ARCHITECTURES, load_hf_config, load_model
+
+__all__ = ["CausalLM", "SUPPORTED_ARCHITECTURES", "load_hf_config", "load_model"]

@@ -1,0 +1,278 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over the paged KV cache.
+
+One decoder serves the whole family; the differences are flags read from the
+Hugging Face config:
+    Llama     attention_bias (q/k/v/o), mlp_bias, optional Llama 3 RoPE scaling
+    Mistral   no biases; `sliding_window` is exposed, not applied (see below)
+    Qwen2     bias on q/k/v only (always), none on o_proj
+    Qwen3     RMSNorm on each query/key head before RoPE; attention_bias
+
+The model works on a flat ragged batch: T tokens from any number of sequences,
+no batch dimension. Positions and the AttentionMetadata say where each token
+sits; every layer writes its keys/values into its paged cache and attends
+through `paged_attention`.
+
+Parameter names are Hugging Face's, except that q/k/v are fused into
+`self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (one GEMM each); the
+loader fills the fused weights from the separate checkpoint tensors, guided
+by `FusedLinear.shard_names`.
+
+Sliding window (Mistral; Qwen with use_sliding_window): we always attend to the
+full context. That is exact as long as no sequence grows past the window, so
+the engine caps max_model_len at `model.sliding_window` when it is not None.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+
+
+class FusedLinear(nn.Linear):
+    """A Linear whose output rows are several checkpoint tensors stacked along dim 0.
+
+    shard_names[i] is the Hugging Face sibling module ("q_proj") whose weight
+    (and bias) fills rows offsets[i] : offsets[i] + output_sizes[i]."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], shard_names: list[str], bias: bool):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+        self.shard_names = list(shard_names)
+
+    def shards(self):
+        """Yield (hf_sibling_name, row_offset, num_rows)."""
+        offset = 0
+        for name, size in zip(self.shard_names, self.output_sizes):
+            yield name, offset, size
+            offset += size
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm like Hugging Face's: normalise in fp32, round to the input dtype, then scale.
+
+    With `residual`, first adds it (the pre-norm residual stream) and returns
+    (normed, new_residual), saving the decoder layer a separate step."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = residual = x + residual
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        normed = self.weight * normed
+        return normed if residual is None else (normed, residual)
+
+
+def _rope_parameters(config) -> tuple[str, float]:
+    """(rope_type, rope_theta) from a transformers-5 `rope_parameters` dict or the older
+    `rope_theta` / `rope_scaling` attributes."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    return rope_type or "default", float(theta if theta is not None else 10000.0)
+
+
+# RoPE variants whose frequencies do not depend on the running sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling), computed exactly as transformers does."""
+    rope_type, theta = _rope_parameters(config)
+    if rope_type == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        return 1.0 / (theta ** exponent), 1.0
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {inv_freq.numel() * 2}, "
+                         f"head_dim {head_dim})")
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE with cos/sin precomputed for every position up to max_positions.
+
+    Cache layout [max_positions, 2, 1, head_dim]: cos, and sin with its first half
+    negated, so that rope(x) = x * cos + roll(x, head_dim / 2) * sin_signed, which
+    equals Hugging Face's x * cos + rotate_half(x) * sin term for term."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.register_buffer("cos_sin_cache", torch.empty(max_positions, 2, 1, head_dim), persistent=False)
+        if not self.cos_sin_cache.is_meta:
+            self.build_cache(self.cos_sin_cache.device, self.cos_sin_cache.dtype)
+
+    def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
+        """(Re)compute the cache in fp32 on the CPU, then store it in the model's dtype."""
+        inv_freq, attention_scaling = rope_inverse_frequencies(self.config, self.head_dim)
+        positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]            # [P, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)                # [P, D]
+        cos = angles.cos() * attention_scaling
+        sin = angles.sin() * attention_scaling
+        half = self.head_dim // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        cache = torch.stack((cos, sin_signed), dim=1).unsqueeze(2)  # [P, 2, 1, D]
+        self.cos_sin_cache = cache.to(device=device, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin_signed, each [T, 1, head_dim] (broadcast over heads)."""
+        return self.cos_sin_cache[positions].unbind(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] -> rotated [T, H, D]."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class Attention(nn.Module):
+    def __init__(self, config, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.scale = head_dim ** -0.5
+        self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
+                                    ["q_proj", "k_proj", "v_proj"], bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (H_q + 2 H_kv) * D]
+        qk_size = self.q_size + self.kv_size
+        value = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            query = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            key = self.k_norm(qkv[:, self.q_size: qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        else:  # rotate queries and keys in one go: they are adjacent heads of qkv
+            qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim),
+                            cos, sin)
+            query, key = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        out = paged_attention(query, key, value, kv_cache, meta, self.scale)  # [T, H_q, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], ["gate_proj", "up_proj"], bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, head_dim: int, flags: dict):
+        super().__init__()
+        self.self_attn = Attention(config, head_dim, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"])
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, flags["mlp_bias"])
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta):
+        """Pre-norm block on the (hidden, residual) pair; residual is None before the first layer."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, head_dim: int, flags: dict):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, flags) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
+
+    def forward(self, input_ids, positions, meta, kv_caches):
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+def architecture_flags(config) -> dict:
+    """Which optional pieces this family member has, from config.model_type."""
+    model_type = config.model_type
+    attention_bias = bool(getattr(config, "attention_bias", False)) if model_type in ("llama", "qwen3") else False
+    return {
+        "qkv_bias": True if model_type == "qwen2" else attention_bias,
+        "o_bias": attention_bias,
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)) if model_type == "llama" else False,
+        "qk_norm": model_type == "qwen3",
+    }
+
+
+def _sliding_window(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. forward returns final hidden states; compute_logits applies
+    the head only to the rows the caller selected (e.g. the last token of each sequence)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.sliding_window = _sliding_window(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, self.head_dim, architecture_flags(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, hidden_size]; writes this pass's K/V into kv_caches."""
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,124 @@
+"""Test helpers: tiny random Hugging Face checkpoints that load offline.
+
+    from helpers import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "m", arch="qwen3", seed=1)
+
+The directory holds config.json, generation_config.json, model.safetensors
+(fp32; sharded when max_shard_size is given) and a byte-level tokenizer that
+AutoTokenizer.from_pretrained(path) reads without network access.
+
+Token ids: 0-255 are the raw bytes, then the special tokens below; the vocab
+is padded with "<extra_i>" tokens up to vocab_size, so len(tokenizer) ==
+config.vocab_size.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(256, 256 + len(SPECIAL_TOKENS))
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+# ChatML-style, so server tests can use chat completions with the tiny models.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """Map every byte to a printable character (the GPT-2 byte-level scheme)."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " " and not (0x7F <= b <= 0xA0)
+                 and b != 0xAD]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def make_tokenizer(vocab_size: int = MIN_VOCAB_SIZE):
+    """A byte-level PreTrainedTokenizerFast with len() == vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} specials)")
+    vocab = {char: byte for byte, char in _byte_to_unicode().items()}
+    specials = SPECIAL_TOKENS + [f"<extra_{i}>" for i in range(vocab_size - MIN_VOCAB_SIZE)]
+    for i, token in enumerate(specials):
+        vocab[token] = 256 + i
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert len(tokenizer) == vocab_size, (len(tokenizer), vocab_size)
+    return tokenizer
+
+
+def make_tiny_config(arch: str = "llama", vocab_size: int = 272, hidden_size: int = 64, num_layers: int = 2,
+                     num_heads: int = 4, num_kv_heads: int = 2, tie_word_embeddings: bool = False,
+                     max_position_embeddings: int = 512, **overrides):
+    """A transformers config for a tiny model of the given family (fp32)."""
+    import transformers
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
+    config_cls = getattr(transformers, ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-6,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    config.architectures = [ARCHITECTURES[arch]]
+    return config
+
+
+def make_tiny_checkpoint(path, arch: str = "llama", vocab_size: int = 272, hidden_size: int = 64,
+                         num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                         tie_word_embeddings: bool = False, seed: int = 0, max_position_embeddings: int = 512,
+                         max_shard_size: str | int | None = None, **overrides) -> Path:
+    """Save a tiny random model (fp32 safetensors) plus tokenizer into `path`; return it.
+
+    Every parameter is random, norm weights and biases included (Hugging Face
+    initialises those to 1 / 0, which would hide loading mistakes). `overrides`
+    go to the transformers config (e.g. rope_parameters, attention_bias,
+    sliding_window, initializer_range)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = make_tiny_config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                              tie_word_embeddings, max_position_embeddings, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **save_kwargs)
+    make_tokenizer(vocab_size).save_pretrained(path)
+    return path
