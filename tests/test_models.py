@@ -1,0 +1,232 @@
+"""Model parity with transformers (fp32, tiny random checkpoints) and strict loading."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from engine.attention import AttentionMetadata
+from engine.models import SUPPORTED_ARCHITECTURES, load_hf_config, load_model
+from helpers import make_tiny_checkpoint
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+TOL = 1e-4
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+CASES = {
+    "llama": dict(arch="llama"),
+    "llama_llama3_rope": dict(arch="llama", rope_parameters=LLAMA3_ROPE),
+    "llama_tied": dict(arch="llama", tie_word_embeddings=True),
+    "llama_biases": dict(arch="llama", attention_bias=True, mlp_bias=True),
+    "mistral": dict(arch="mistral", sliding_window=64),
+    "qwen2": dict(arch="qwen2"),
+    "qwen3": dict(arch="qwen3", head_dim=32, attention_bias=True),  # head_dim != hidden / heads
+}
+
+# Disjoint, shuffled block tables (8 blocks = 32 tokens per sequence), so paging is exercised.
+BLOCK_TABLES = [[9, 3, 14, 6, 21, 0, 17, 30], [1, 12, 5, 27, 8, 19, 2, 25]]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    """(our model, transformers' model) loaded from the same tiny checkpoint."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **CASES[request.param])
+    ours = load_model(str(path), torch.float32, CPU)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return ours, ref
+
+
+def new_kv_caches(model):
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    return [torch.zeros(shape) for _ in range(model.num_layers)]
+
+
+@torch.inference_mode()
+def run_pass(model, kv_caches, items):
+    """One flat forward pass. items: (new_token_ids, num_cached_tokens, block_table) per sequence.
+    Returns logits of every new token, split per sequence."""
+    ids = torch.tensor([t for new, _, _ in items for t in new])
+    positions = torch.cat([torch.arange(cached, cached + len(new)) for new, cached, _ in items])
+    meta = AttentionMetadata.build([len(new) for new, _, _ in items], [cached + len(new) for new, cached, _ in items],
+                                   [table for _, _, table in items], BLOCK_SIZE, CPU)
+    logits = model.compute_logits(model(ids, positions, meta, kv_caches))
+    assert logits.dtype == torch.float32
+    return list(logits.split([len(new) for new, _, _ in items]))
+
+
+@torch.inference_mode()
+def reference_logits(ref, tokens):
+    return ref(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_close(ours, theirs):
+    err = (ours - theirs).abs().max().item()
+    assert err < TOL, f"max abs logit error {err:.3g}"
+
+
+def random_tokens(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefill_then_decode(pair):
+    ours, ref = pair
+    kv = new_kv_caches(ours)
+    tokens = random_tokens(7, seed=1)
+    (prefill,) = run_pass(ours, kv, [(tokens, 0, BLOCK_TABLES[0])])
+    assert_close(prefill, reference_logits(ref, tokens))
+    last = prefill[-1]
+    for _ in range(6):  # greedy decode, one token per pass, across several blocks
+        tokens.append(int(last.argmax()))
+        (step,) = run_pass(ours, kv, [(tokens[-1:], len(tokens) - 1, BLOCK_TABLES[0])])
+        last = step[-1]
+        assert_close(last, reference_logits(ref, tokens)[-1])
+
+
+def test_batched_ragged(pair):
+    ours, ref = pair
+    kv = new_kv_caches(ours)
+    a, b = random_tokens(5, seed=2), random_tokens(11, seed=3)
+    out_a, out_b = run_pass(ours, kv, [(a, 0, BLOCK_TABLES[0]), (b, 0, BLOCK_TABLES[1])])
+    assert_close(out_a, reference_logits(ref, a))
+    assert_close(out_b, reference_logits(ref, b))
+    # Mixed pass: one decode token for a, three new tokens (as in verification) for b.
+    new_a, new_b = [42], [7, 99, 130]
+    out_a, out_b = run_pass(ours, kv, [(new_a, len(a), BLOCK_TABLES[0]), (new_b, len(b), BLOCK_TABLES[1])])
+    assert_close(out_a, reference_logits(ref, a + new_a)[-1:])
+    assert_close(out_b, reference_logits(ref, b + new_b)[-3:])
+
+
+def test_chunked_prefill(pair):
+    ours, ref = pair
+    kv = new_kv_caches(ours)
+    tokens = random_tokens(10, seed=4)
+    expected = reference_logits(ref, tokens)
+    (first,) = run_pass(ours, kv, [(tokens[:6], 0, BLOCK_TABLES[1])])
+    (second,) = run_pass(ours, kv, [(tokens[6:], 6, BLOCK_TABLES[1])])
+    assert_close(first, expected[:6])
+    assert_close(second, expected[6:])
+
+
+def test_model_attributes(pair):
+    ours, ref = pair
+    config = ref.config
+    assert ours.num_layers == config.num_hidden_layers
+    assert ours.num_kv_heads == config.num_key_value_heads
+    assert ours.head_dim == config.head_dim
+    assert ours.vocab_size == config.vocab_size
+    assert ours.max_position_embeddings == config.max_position_embeddings
+    assert ours.sliding_window == (64 if config.model_type == "mistral" else None)
+    assert not any(p.is_meta for p in ours.parameters())
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == config.tie_word_embeddings
+
+
+# ---------------------------------------------------------------- loading
+
+@pytest.fixture(scope="module")
+def reference_checkpoint(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("ref"), arch="qwen2", seed=3)
+    return path, load_model(str(path), torch.float32, CPU)
+
+
+def logits_of(model, tokens, block_table=BLOCK_TABLES[0]):
+    (out,) = run_pass(model, new_kv_caches(model), [(tokens, 0, block_table)])
+    return out
+
+
+def copy_checkpoint(src, dst, edit):
+    """Copy a single-file checkpoint, passing its tensors through edit(dict) -> dict."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    save_file(edit(load_file(src / "model.safetensors")), dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_missing_tensor_is_named(reference_checkpoint, tmp_path):
+    name = "model.layers.1.self_attn.k_proj.bias"
+    path = copy_checkpoint(reference_checkpoint[0], tmp_path / "m",
+                           lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(ValueError, match="missing.*" + name.replace(".", r"\.")):
+        load_model(str(path), torch.float32, CPU)
+
+
+def test_unexpected_tensor_is_named(reference_checkpoint, tmp_path):
+    name = "model.layers.0.mlp.extra_proj.weight"
+    path = copy_checkpoint(reference_checkpoint[0], tmp_path / "m", lambda t: {**t, name: torch.zeros(3)})
+    with pytest.raises(ValueError, match="unexpected.*" + name.replace(".", r"\.")):
+        load_model(str(path), torch.float32, CPU)
+
+
+def test_wrong_shape_is_named(reference_checkpoint, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    path = copy_checkpoint(reference_checkpoint[0], tmp_path / "m", lambda t: {**t, name: t[name][:-1]})
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*shape"):
+        load_model(str(path), torch.float32, CPU)
+
+
+def test_unsupported_architecture(tmp_path):
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
+        load_model(str(tmp_path), torch.float32, CPU)
+    assert all(name in str(info.value) for name in SUPPORTED_ARCHITECTURES)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_hf_config(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="config.json"):
+        load_hf_config(tmp_path)
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(tmp_path), torch.float32, CPU)
+
+
+def test_sharded_checkpoint_matches_single_file(reference_checkpoint, tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "sharded", arch="qwen2", seed=3, max_shard_size="40KB")
+    shards = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) > 2
+    sharded = load_model(str(path), torch.float32, CPU)
+    tokens = random_tokens(6, seed=5)
+    assert torch.equal(logits_of(sharded, tokens), logits_of(reference_checkpoint[1], tokens))
+
+
+def test_tied_checkpoint_may_contain_lm_head(tmp_path):
+    source = make_tiny_checkpoint(tmp_path / "tied", arch="llama", tie_word_embeddings=True, seed=2)
+    tied = load_model(str(source), torch.float32, CPU)
+    path = copy_checkpoint(source, tmp_path / "with_head",
+                           lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].clone()})
+    with_head = load_model(str(path), torch.float32, CPU)
+    assert with_head.lm_head.weight is with_head.model.embed_tokens.weight
+    tokens = random_tokens(5, seed=6)
+    assert torch.equal(logits_of(with_head, tokens), logits_of(tied, tokens))
+
+
+def test_old_style_rope_config(tmp_path):
+    """config.json written with rope_theta / rope_scaling (pre-transformers-5) still gives HF's logits."""
+    path = make_tiny_checkpoint(tmp_path / "old", arch="llama", seed=4, rope_parameters=LLAMA3_ROPE)
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (path / "config.json").write_text(json.dumps(config))
+    ours = load_model(str(path), torch.float32, CPU)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = random_tokens(40, seed=7)  # past original_max_position_embeddings (32)
+    assert_close(logits_of(ours, tokens, BLOCK_TABLES[0] + BLOCK_TABLES[1]), reference_logits(ref, tokens))
+
+
+def test_bfloat16_load(reference_checkpoint):
+    path, fp32_model = reference_checkpoint
+    model = load_model(str(path), torch.bfloat16, CPU)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.rotary_emb.cos_sin_cache.dtype == torch.bfloat16
+    tokens = random_tokens(6, seed=8)
+    (out,) = run_pass(model, [kv.bfloat16() for kv in new_kv_caches(model)], [(tokens, 0, BLOCK_TABLES[0])])
+    assert out.dtype == torch.float32
+    assert (out - logits_of(fp32_model, tokens)).abs().max().item() < 0.05
