@@ -1,0 +1,234 @@
+"""The engine: one visible loop, schedule -> propose -> verify -> accept -> update."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockPool
+from engine.outputs import RequestOutput, StepStats
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.setup import EngineParts, build_engine_parts
+from engine.spec.base import Proposal
+from engine.verify import VerifyResult, verify
+
+logger = logging.getLogger("specserve.engine")
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus max_tokens does not fit the model's context."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        parts: EngineParts = build_engine_parts(config)
+        self.device, self.dtype = parts.device, parts.dtype
+        self.target, self.proposer = parts.target, parts.proposer
+        self.pool: BlockPool = parts.pool
+        self.max_model_len = parts.max_model_len
+        self.vocab_size = parts.vocab_size
+        self.eos_token_ids = parts.eos_token_ids
+        self.gamma = config.speculative.gamma
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, self.gamma)
+        self.step_timer = parts.step_timer
+        self.requests: dict[str, Request] = {}
+        self.last_stats: StepStats | None = None
+        self.num_steps = 0
+        self._next_seed = config.seed
+
+    @property
+    def method(self) -> str:
+        return self.proposer.method
+
+    # ---- requests ---------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate and queue a request; bad input raises ValueError naming the problem."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._validate_prompt(prompt_token_ids, params)
+        self.requests[request_id] = Request(
+            request_id=request_id, token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
+            params=params, arrival_time=time.monotonic(), generator=self._generator(params),
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+        self.scheduler.add(self.requests[request_id])
+
+    def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(prompt_token_ids)} tokens and max_tokens is {params.max_tokens} "
+                f"({len(prompt_token_ids) + params.max_tokens} in all)")
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        if params.seed is None:  # unseeded requests still own a stream, from the engine's seed
+            seed, self._next_seed = self._next_seed, self._next_seed + 1_000_003
+        else:
+            seed = params.seed
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request at once (client gone, stop string hit): its blocks go back to the pool."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            request.finish_reason = "abort"
+            self.scheduler.remove(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return []
+        try:
+            t0 = time.perf_counter()
+            proposal = self.proposer.propose(batch.scheduled) if self.gamma else Proposal.empty(len(batch.scheduled))
+            t1 = time.perf_counter()
+            result = verify(self.target, batch.scheduled, proposal)
+            t2 = time.perf_counter()
+        except Exception as exc:  # one bad batch must not take the server down
+            logger.exception("engine step failed")
+            return self._fail(batch, exc)
+        outputs = self._update(batch, proposal, result)
+        self.last_stats = self._stats(batch, proposal, result, t1 - t0, t2 - t1, outputs)
+        self.num_steps += 1
+        return outputs
+
+    # ---- update: bookkeeping only ------------------------------------------------
+    def _update(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult) -> list[RequestOutput]:
+        outputs = []
+        for i, item in enumerate(batch.scheduled):
+            request = item.request
+            if request.wants_prompt_logprobs:
+                self._store_prompt_logprobs(request, item, result.prompt_logprobs[i])
+            if not item.samples:
+                request.num_computed_tokens += item.num_new_tokens
+                self._publish_blocks(request)
+                continue
+            accepted = result.num_accepted[i]
+            request.num_computed_tokens += item.num_new_tokens + accepted
+            if item.is_decode:
+                request.num_proposed += len(proposal.draft_token_ids[i])
+                request.num_accepted += accepted
+                request.num_target_forwards += 1
+            new_tokens = self._append_tokens(request, result.token_ids[i], result.logprobs[i])
+            # Rollback past the first rejection: the draft's cache and the tail blocks.
+            request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+            if request.is_finished:
+                self.scheduler.remove(request)
+                self.requests.pop(request.request_id, None)
+            else:
+                self.pool.trim(request.block_table, request.num_tokens)
+                self._publish_blocks(request)
+            outputs.append(self._output(request, new_tokens))
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs) -> list[int]:
+        """Append accepted tokens, stopping inside the run at EOS / stop token / length."""
+        params = request.params
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        new = []
+        for j, token in enumerate(token_ids):
+            request.token_ids.append(token)
+            new.append(token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs[j])
+            if token in request.eos_token_ids or token in params.stop_token_ids:
+                request.finish_reason = "stop"
+            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+                request.finish_reason = "length"
+            if request.finish_reason is not None:
+                request.status = RequestStatus.FINISHED
+                break
+        return new
+
+    def _store_prompt_logprobs(self, request: Request, item, rows) -> None:
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * request.num_prompt_tokens
+        start = request.num_computed_tokens
+        for j, entry in enumerate(rows):   # row j scores the token at position start + j + 1
+            if start + j + 1 < request.num_prompt_tokens:
+                request.prompt_logprobs[start + j + 1] = entry
+
+    def _publish_blocks(self, request: Request) -> None:
+        final = request.num_computed_tokens
+        if self.method == "draft":   # a cached block must hold valid KV in both caches
+            final = min(final, request.num_draft_computed_tokens)
+        self.pool.cache_full_blocks(request.block_table, request.block_hashes, request.token_ids, final)
+
+    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        from engine.outputs import RequestTiming
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        start = request.num_emitted
+        request.num_emitted = request.num_output_tokens
+        timing = None
+        if request.is_finished:
+            timing = RequestTiming(request.arrival_time, request.first_scheduled_time,
+                                   request.first_token_time, time.monotonic())
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=new_tokens, finished=request.is_finished,
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            new_logprobs=request.logprobs[start:] if request.params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs, spec=request.spec_stats, timing=timing,
+        )
+
+    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        outputs = []
+        for item in batch.scheduled:
+            request = item.request
+            request.finish_reason, request.status = "error", RequestStatus.FINISHED
+            self.scheduler.remove(request)
+            self.requests.pop(request.request_id, None)
+            outputs.append(RequestOutput(request.request_id, [], True, "error", request.num_prompt_tokens,
+                                         request.num_output_tokens, error=f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    # ---- statistics ------------------------------------------------------------------
+    def _stats(self, batch, proposal: Proposal, result: VerifyResult, draft_time: float,
+               verify_time: float, outputs: list[RequestOutput]) -> StepStats:
+        per_position = [0] * self.gamma
+        accepted_lengths = []
+        num_decode = 0
+        for i, item in enumerate(batch.scheduled):
+            if not item.is_decode:
+                continue
+            num_decode += 1
+            if proposal.draft_token_ids[i]:
+                accepted_lengths.append(result.num_accepted[i])
+                for pos in range(result.num_accepted[i]):
+                    per_position[pos] += 1
+        num_draft_tokens = sum(len(d) for d in proposal.draft_token_ids)
+        if num_decode == len(batch.scheduled) and num_draft_tokens == 0:
+            self.step_timer.observe(num_decode, verify_time)   # a real plain decode step
+        return StepStats(
+            method=self.method, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.pool.usage, batch_size=len(batch.scheduled),
+            num_batched_tokens=sum(s.num_new_tokens for s in batch.scheduled) + num_draft_tokens,
+            num_preemptions=len(batch.preempted), num_prompt_tokens=batch.num_prompt_tokens,
+            num_generation_tokens=sum(len(o.new_token_ids) for o in outputs),
+            num_drafts=len(accepted_lengths), num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=sum(accepted_lengths), num_target_forwards=num_decode,
+            accepted_per_position=tuple(per_position), accepted_lengths=tuple(accepted_lengths),
+            draft_time_s=draft_time, verify_time_s=verify_time,
+            plain_step_time_s=self.step_timer.estimate(num_decode) if num_decode else None,
+            finished_reasons=tuple(o.finish_reason for o in outputs if o.finished),
+        )

@@ -1,0 +1,148 @@
+"""The block pool: pure bookkeeping over a fixed number of KV blocks.
+
+Each request owns a block table (a list of block ids); the model runner turns
+it into slot mappings. A block may be shared by several requests (prefix
+reuse), so blocks carry reference counts. A full block whose tokens are final
+gets a chained hash (hash of its parent block's hash and its own tokens); when
+its last reference goes, it stays in the free list with its hash until it is
+reused for something else, so a later request with the same prefix can pick
+it up without recomputing it.
+
+Verbs: match_prefix / take (prefix reuse), allocate (room for the tokens about
+to be computed plus lookahead slots for draft tokens), trim (rollback), free,
+and cache_full_blocks (publish finished blocks for reuse). Invariant, checked
+by check_invariants: every block is either free (ref 0) or used, never both.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+
+def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes."""
+    return hash((parent, tuple(tokens)))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Free blocks in eviction order (least recently freed first); cached ones keep their hash.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    # ---- queries -------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix reuse --------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks holding the longest full-block prefix of token_ids.
+
+        The last token is never matched: the model must compute at least one
+        token to produce the next token's logits."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks, parent = [], None
+        for start in range(0, len(token_ids) - self.block_size, self.block_size):
+            parent = chain_hash(parent, token_ids[start:start + self.block_size])
+            block = self.hash_to_block.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def take(self, blocks: Iterable[int]) -> None:
+        """Add a reference to blocks found by match_prefix."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+
+    # ---- allocation ----------------------------------------------------
+    def allocate(self, block_table: list[int], num_tokens: int) -> bool:
+        """Grow block_table in place to hold num_tokens positions (computed + new + lookahead).
+
+        All or nothing: returns False, changing nothing, if the pool is short."""
+        missing = self.blocks_needed(num_tokens) - len(block_table)
+        if missing <= 0:
+            return True
+        if missing > self.num_free_blocks:
+            return False
+        for _ in range(missing):
+            block, _ = self.free_blocks.popitem(last=False)
+            self._forget_hash(block)
+            self.ref_counts[block] = 1
+            block_table.append(block)
+        return True
+
+    def trim(self, block_table: list[int], num_tokens: int) -> None:
+        """Rollback: release whole tail blocks past num_tokens positions. Stale KV is overwritten later."""
+        keep = self.blocks_needed(num_tokens)
+        while len(block_table) > keep:
+            self._release(block_table.pop())
+
+    def free(self, block_table: list[int]) -> None:
+        """Release every block; tail blocks first so they are evicted before shared prefixes."""
+        while block_table:
+            self._release(block_table.pop())
+
+    # ---- publishing finished blocks -----------------------------------
+    def cache_full_blocks(self, block_table: list[int], block_hashes: list[int],
+                          token_ids: Sequence[int], num_final_tokens: int) -> None:
+        """Hash and publish blocks whose tokens are all final (computed and accepted).
+
+        block_hashes is the request's own chain, extended in place."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_final_tokens // self.block_size, len(block_table))
+        while len(block_hashes) < num_full:
+            i = len(block_hashes)
+            parent = block_hashes[-1] if block_hashes else None
+            h = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_hashes.append(h)
+            block = block_table[i]
+            if h not in self.hash_to_block and self.block_hashes[block] is None:
+                self.block_hashes[block] = h
+                self.hash_to_block[h] = block
+
+    # ---- internals -----------------------------------------------------
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, f"block {block} released too often"
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.block_hashes[block]
+        if h is not None:
+            del self.hash_to_block[h]
+            self.block_hashes[block] = None
+
+    def check_invariants(self, block_tables: Iterable[Sequence[int]] = ()) -> None:
+        """free + used == total; ref counts equal the number of tables holding each block."""
+        refs = [0] * self.num_blocks
+        for table in block_tables:
+            for block in table:
+                refs[block] += 1
+        used = sum(1 for r in self.ref_counts if r > 0)
+        assert used + self.num_free_blocks == self.num_blocks, "free + used != total"
+        assert refs == self.ref_counts, "reference counts disagree with the block tables"
+        for block in self.free_blocks:
+            assert self.ref_counts[block] == 0, f"free block {block} is referenced"
+        for h, block in self.hash_to_block.items():
+            assert self.block_hashes[block] == h, f"hash index out of sync at block {block}"

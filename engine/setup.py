@@ -1,0 +1,145 @@
+"""Start-up: pick device and dtype, load target (and draft), size the KV cache, build runners."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import FLASH_BLOCK_SIZE, flash_available
+from engine.config import EngineConfig
+from engine.kv_cache import BlockPool
+from engine.model_runner import ForwardItem, ModelRunner
+from engine.models.loader import load_hf_config, load_model
+from engine.spec.base import NoProposer, Proposer
+from engine.spec.draft_model import DraftModelProposer
+from engine.spec.ngram import NgramProposer
+from engine.step_timer import PlainStepTimer
+
+logger = logging.getLogger("specserve.engine")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CALIBRATION_MAX_BATCH = 32
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    dtype: torch.dtype
+    target: ModelRunner
+    proposer: Proposer
+    pool: BlockPool
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    step_timer: PlainStepTimer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.bfloat16   # fast on CPUs with bf16 units; fp32 stays available for exactness
+    configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    configured = _DTYPES.get(str(configured).replace("torch.", ""), torch.bfloat16)
+    return configured if configured != torch.float32 else torch.bfloat16
+
+
+def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
+    ids = getattr(hf_config, "eos_token_id", None)
+    generation_config = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            ids = json.load(f).get("eos_token_id", ids)
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    spec = config.speculative
+    device = resolve_device(config.device)
+    hf_config = load_hf_config(config.model)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    use_flash = flash_available(device)
+    block_size = config.block_size or (FLASH_BLOCK_SIZE if use_flash else 16)
+    if use_flash and block_size % FLASH_BLOCK_SIZE:
+        raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
+
+    target_model = load_model(config.model, dtype, device)
+    draft_model = draft_config = None
+    if spec.method == "draft":
+        draft_config = load_hf_config(spec.model)
+        if draft_config.vocab_size != hf_config.vocab_size:
+            raise ValueError(f"draft model vocabulary ({draft_config.vocab_size} tokens) differs from the "
+                             f"target's ({hf_config.vocab_size}): the draft must share the target's tokenizer")
+        draft_model = load_model(spec.model, _DTYPES[spec.dtype] if spec.dtype else dtype, device)
+
+    bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
+    if draft_config is not None:
+        bytes_per_block += ModelRunner.kv_bytes_per_block(draft_config, block_size, dtype)
+    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+    max_model_len = _max_model_len(config, target_model, draft_model, num_blocks * block_size - spec.gamma)
+
+    pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
+    target = ModelRunner(target_model, num_blocks, block_size, dtype, device, use_flash)
+    proposer: Proposer = NoProposer()
+    if spec.method == "draft":
+        proposer = DraftModelProposer(ModelRunner(draft_model, num_blocks, block_size, dtype, device, use_flash),
+                                      spec.draft_temperature)
+    elif spec.method == "ngram":
+        proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+
+    timer = PlainStepTimer()
+    if spec.gamma:
+        _calibrate(timer, target, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH))
+    logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
+                "speculative=%s gamma=%d", config.model, str(dtype).replace("torch.", ""), device, num_blocks,
+                block_size, max_model_len, spec.method, spec.gamma)
+    return EngineParts(device, dtype, target, proposer, pool, max_model_len, hf_config.vocab_size,
+                       eos_token_ids(config.model, hf_config), timer)
+
+
+def _max_model_len(config: EngineConfig, target, draft, kv_capacity: int) -> int:
+    limits = [target.max_position_embeddings, kv_capacity]
+    if draft is not None:
+        limits.append(draft.max_position_embeddings)
+    if getattr(target, "sliding_window", None):
+        limits.append(target.sliding_window)   # we attend to the full context: stay inside the window
+    if config.max_model_len is not None:
+        if config.max_model_len > min(limits):
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds what the model and KV cache allow "
+                             f"({min(limits)} tokens)")
+        limits.append(config.max_model_len)
+    if min(limits) < 2:
+        raise ValueError(f"the KV cache is too small to hold a sequence ({kv_capacity} token slots)")
+    return min(limits)
+
+
+def _calibrate(timer: PlainStepTimer, target: ModelRunner, pool: BlockPool, max_batch: int) -> None:
+    """Time plain decode steps on scratch blocks (context of two blocks per sequence)."""
+    context = 2 * pool.block_size
+    max_batch = min(max_batch, pool.num_free_blocks // 2)
+    if max_batch < 1:
+        return
+
+    def decode_step(batch: int) -> None:
+        tables = [[] for _ in range(batch)]
+        for table in tables:
+            pool.allocate(table, context)
+        target.forward([ForwardItem([0], context - 1, table, 1) for table in tables])
+        for table in tables:
+            pool.free(table)
+
+    timer.calibrate(decode_step, max_batch)

@@ -1,0 +1,106 @@
+"""Verification: one target forward pass over the whole batch, then batched accept/reject.
+
+For each request that samples this step the target scores [its last token] +
+its k draft tokens: logits row j judges draft token j, row k gives the bonus
+token. Requests still prefilling contribute their prompt chunk (and logits
+only when they asked for prompt logprobs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_runner import ForwardItem, ModelRunner
+from engine.outputs import TokenLogprob
+from engine.sampler import SamplingTensors, apply_penalties, compute_logprobs, warp_probs
+from engine.scheduler import ScheduledRequest
+from engine.spec.base import Proposal
+from engine.spec.rejection import rejection_sample
+
+
+@dataclass
+class VerifyResult:
+    token_ids: list[list[int]]                 # per scheduled request: accepted drafts + one more token
+    num_accepted: list[int]
+    logprobs: list[list[TokenLogprob] | None]  # per emitted token, when the request asked
+    prompt_logprobs: list[list[TokenLogprob]]  # per fed prompt position, when the request asked
+
+
+def verify(target: ModelRunner, scheduled: list[ScheduledRequest], proposal: Proposal) -> VerifyResult:
+    items, sample_rows, prompt_rows = _forward_items(scheduled, proposal)
+    logits = target.forward(items)
+    n = len(scheduled)
+    result = VerifyResult([[] for _ in range(n)], [0] * n, [None] * n, [[] for _ in range(n)])
+    for i, rows in prompt_rows.items():
+        request = scheduled[i].request
+        start = request.num_computed_tokens
+        targets = request.token_ids[start + 1:start + 1 + len(rows)]
+        result.prompt_logprobs[i] = _logprobs(logits[rows[:len(targets)]], targets, request.params.prompt_logprobs)
+    if sample_rows:
+        _accept(scheduled, proposal, logits, sample_rows, result)
+    return result
+
+
+def _forward_items(scheduled, proposal):
+    """Feed lists for the target, and which logits rows each request needs."""
+    items, sample_rows, prompt_rows = [], {}, {}
+    row = 0
+    for i, (item, drafts) in enumerate(zip(scheduled, proposal.draft_token_ids)):
+        request = item.request
+        start = request.num_computed_tokens
+        fed = request.token_ids[start:start + item.num_new_tokens] + drafts
+        num_sample = 1 + len(drafts) if item.samples else 0
+        num_logits = max(num_sample, item.num_new_tokens if request.wants_prompt_logprobs else 0)
+        items.append(ForwardItem(fed, start, request.block_table, num_logits))
+        if num_sample:
+            sample_rows[i] = list(range(row + num_logits - num_sample, row + num_logits))
+        if request.wants_prompt_logprobs:
+            prompt_rows[i] = list(range(row, row + num_logits))
+        row += num_logits
+    return items, sample_rows, prompt_rows
+
+
+def _accept(scheduled, proposal: Proposal, logits: torch.Tensor, sample_rows: dict[int, list[int]],
+            result: VerifyResult) -> None:
+    order = list(sample_rows)
+    requests = [scheduled[i].request for i in order]
+    drafts = [proposal.draft_token_ids[i] for i in order]
+    max_k = max(len(d) for d in drafts)
+    # [B, K+1] row indices into logits, padded by repeating each request's last row.
+    index = torch.tensor([rows + rows[-1:] * (max_k + 1 - len(rows)) for rows in (sample_rows[i] for i in order)],
+                         dtype=torch.long, device=logits.device)
+    raw = logits[index]                                        # [B, K+1, V]
+    flat_params = [r.params for r in requests for _ in range(max_k + 1)]
+    flat = raw.reshape(-1, raw.shape[-1])
+    if any(p.has_penalties for p in flat_params):
+        histories = [r.output_token_ids + d[:j] for r, d in zip(requests, drafts) for j in range(max_k + 1)]
+        prompts = [r.token_ids[:r.num_prompt_tokens] for r in requests for _ in range(max_k + 1)]
+        flat = apply_penalties(flat.clone(), flat_params, prompts, histories)
+    tensors = SamplingTensors.from_params(flat_params, logits.device)
+    target_probs = warp_probs(flat, tensors).view(len(order), max_k + 1, -1)
+
+    draft_ids = torch.tensor([d + [0] * (max_k - len(d)) for d in drafts], dtype=torch.long, device=logits.device)
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=logits.device)
+    draft_probs = None
+    if proposal.draft_probs is not None and max_k > 0:
+        draft_probs = proposal.draft_probs[torch.tensor(order, device=logits.device), :max_k]
+    is_greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
+    out, num_accepted = rejection_sample(target_probs, draft_ids.view(len(order), max_k), num_drafts,
+                                         draft_probs, is_greedy, [r.generator for r in requests])
+    out, num_accepted = out.tolist(), num_accepted.tolist()
+    for b, i in enumerate(order):
+        tokens = out[b][:num_accepted[b] + 1]
+        result.token_ids[i], result.num_accepted[i] = tokens, num_accepted[b]
+        wanted = requests[b].params.logprobs
+        if wanted is not None:
+            result.logprobs[i] = _logprobs(raw[b, :len(tokens)], tokens, wanted)
+
+
+def _logprobs(rows: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    if not token_ids:
+        return []
+    ids = torch.tensor(token_ids, dtype=torch.long, device=rows.device)
+    chosen, top_ids, top_lp = compute_logprobs(rows, ids, num_top)
+    chosen, top_ids, top_lp = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+    return [TokenLogprob(t, c, tuple(zip(ti, tl))) for t, c, ti, tl in zip(token_ids, chosen, top_ids, top_lp)]
