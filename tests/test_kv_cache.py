@@ -1,0 +1,104 @@
+"""Block pool: invariants under random operation sequences, prefix reuse, rollback."""
+import random
+
+import pytest
+
+from engine.kv_cache import BlockPool
+
+
+def test_allocate_is_all_or_nothing():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    table = []
+    assert pool.allocate(table, 10)           # 3 blocks
+    assert len(table) == 3 and pool.num_free_blocks == 1
+    other = []
+    assert not pool.allocate(other, 8)        # needs 2, only 1 free
+    assert other == [] and pool.num_free_blocks == 1
+    pool.check_invariants([table])
+
+
+def test_prefix_reuse_and_eviction_order():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    tokens = list(range(13))                  # 3 full blocks + 1 token
+    a = []
+    pool.allocate(a, len(tokens))
+    pool.cache_full_blocks(a, hashes_a := [], tokens, num_final_tokens=13)
+    assert len(hashes_a) == 3
+    # Same prefix, different tail: the three full blocks are shared.
+    hit = pool.match_prefix(tokens[:12] + [99, 98])
+    assert hit == a[:3]
+    pool.take(hit)
+    pool.check_invariants([a, hit])
+    # The last token is never matched: a prompt of exactly 3 blocks reuses only 2.
+    assert pool.match_prefix(tokens[:12]) == a[:2]
+    shared = list(hit)
+    pool.free(a)
+    pool.free(hit)
+    assert a == [] and hit == []              # free empties the tables
+    pool.check_invariants([])
+    assert pool.num_free_blocks == 8
+    # Freed but cached blocks still serve a later request...
+    assert pool.match_prefix(tokens) == shared
+    # ...until their space is reused: allocating everything evicts them.
+    everything = []
+    assert pool.allocate(everything, 8 * 4)
+    assert pool.match_prefix(tokens) == []
+    pool.free(everything)
+    pool.check_invariants([])
+
+
+def test_trim_releases_tail_blocks():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    table = []
+    pool.allocate(table, 4 + 1 + 8)           # computed 4, last token + 8 lookahead slots -> 4 blocks
+    assert len(table) == 4
+    pool.trim(table, 6)                       # only 6 positions are real after rejection
+    assert len(table) == 2 and pool.num_free_blocks == 4
+    pool.check_invariants([table])
+
+
+def test_unfinished_blocks_are_not_published():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    table, hashes = [], []
+    tokens = list(range(8))
+    pool.allocate(table, 8)
+    pool.cache_full_blocks(table, hashes, tokens, num_final_tokens=7)   # block 2 not final yet
+    assert len(hashes) == 1
+    assert pool.match_prefix(tokens + [1]) == table[:1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_operations_keep_invariants(seed):
+    rng = random.Random(seed)
+    pool = BlockPool(num_blocks=24, block_size=4)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
+    live: dict[int, dict] = {}
+    next_id = 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.3:   # a new request, maybe sharing a prefix
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+            hit = pool.match_prefix(tokens)
+            pool.take(hit)
+            table = list(hit)
+            if pool.allocate(table, len(tokens)):
+                live[next_id] = {"table": table, "hashes": [], "tokens": tokens, "computed": len(tokens)}
+                next_id += 1
+            else:
+                pool.free(table)
+        elif op < 0.6 and live:   # a decode step with lookahead, then rollback
+            r = live[rng.choice(list(live))]
+            k = rng.randrange(0, 5)
+            if pool.allocate(r["table"], r["computed"] + 1 + k):
+                accepted = rng.randrange(0, k + 1)
+                r["tokens"] += [rng.randrange(50) for _ in range(accepted + 1)]
+                r["computed"] += 1 + accepted
+                pool.trim(r["table"], len(r["tokens"]))
+                pool.cache_full_blocks(r["table"], r["hashes"], r["tokens"], r["computed"])
+        elif live:   # finish or preempt
+            pool.free(live.pop(rng.choice(list(live)))["table"])
+        pool.check_invariants([r["table"] for r in live.values()])
+    for r in live.values():
+        pool.free(r["table"])
+    pool.check_invariants([])
+    assert pool.num_free_blocks == pool.num_blocks
