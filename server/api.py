@@ -1,0 +1,434 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions over the async engine.
+
+    create_app(engine, tokenizer, served_model_name, api_key=None, metrics=None) -> FastAPI
+
+Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for invalid values
+(pydantic's validation errors included), 401 for a missing or wrong API key, 404 for an unknown
+model, 500 when the engine fails a request, 503 when the engine loop is dead. Once a stream has
+started, an error is sent as a `data: {"error": ...}` event followed by `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.engine import ContextLengthError
+from engine.sampling_params import SamplingParams
+from server import protocol as p
+from server.async_engine import AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError
+from server.tokenizer import ChatTemplateError, TextStream, TokenStrings, render_chat
+
+logger = logging.getLogger("specserve.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(p.error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+def _server_error(exc: Exception) -> APIError:
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "server_error", code="engine_dead")
+    return APIError(500, f"the engine failed this request: {exc}", "server_error", code="engine_error")
+
+
+def _param_in(message: str, names: set[str]) -> str | None:
+    first = message.split(" ", 1)[0]
+    return first if first in names else None
+
+
+class Server:
+    """What the routes share: the engine bridge, the tokenizer and the served name."""
+
+    def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics):
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine, metrics)
+        self.tokenizer = tokenizer
+        self.token_str = TokenStrings(tokenizer)
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.metrics = metrics
+        self.created = p.now()
+
+    # ---- checks ---------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                                f"`{self.served_model_name}`).", param="model", code="model_not_found")
+
+    def check_alive(self) -> None:
+        if not self.async_engine.is_alive:
+            raise _server_error(EngineDeadError(self._dead_reason()))
+
+    def _dead_reason(self) -> str:
+        error = self.async_engine.error
+        return f"the engine loop died: {type(error).__name__}: {error}" if error else "the engine loop is not running"
+
+    def sampling_params(self, request: p._SamplingRequest, **fields) -> SamplingParams:
+        if request.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        try:
+            return SamplingParams(**fields, **request.sampling_kwargs())
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
+
+    # ---- generation -------------------------------------------------------------------
+    def choices(self, prompts: list[list[int]], params: SamplingParams, request: p._SamplingRequest,
+                request_id: str, keep_output: bool = True) -> list[Choice]:
+        choices = []
+        for i, prompt in enumerate(prompts):
+            for j in range(request.n):
+                index = i * request.n + j
+                seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+                stream = TextStream(self.tokenizer, prompt, request.stop_strings, request.skip_special_tokens)
+                choices.append(Choice(index, f"{request_id}-{index}", prompt, seeded, stream, keep_output))
+        return choices
+
+    async def start(self, choices: list[Choice], prompt_param: str) -> Generation:
+        self.check_alive()
+        generation = Generation(self.async_engine, choices)
+        try:
+            await generation.start()
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=prompt_param) from None
+        except EngineDeadError as exc:
+            raise _server_error(exc) from None
+        return generation
+
+    async def run(self, generation: Generation, request: Request) -> None:
+        """Run a non-streaming generation to its end, aborting it if the client goes away."""
+        collect = asyncio.ensure_future(generation.run_to_end())
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnected.cancel()
+            if not collect.done():
+                collect.cancel()   # the generator's finally aborts the unfinished choices
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+        if collect.cancelled():
+            raise APIError(499, "client disconnected")
+        try:
+            collect.result()
+        except (RequestFailedError, EngineDeadError) as exc:
+            raise _server_error(exc) from None
+
+    async def stream(self, generation: Generation, first_chunks: list[dict],
+                     chunk: Callable[[Choice, str, int], dict | None], last_chunk: Callable[[], dict] | None
+                     ) -> AsyncIterator[str]:
+        """SSE events of a generation; an error after the start is an event, then [DONE]."""
+        last_sent: dict[int, float] = {}
+        try:
+            for first in first_chunks:
+                yield p.sse(first)
+            async with contextlib.aclosing(generation.deltas()) as deltas:
+                async for choice, text, start in deltas:
+                    payload = chunk(choice, text, start)
+                    if payload is None:
+                        continue
+                    now = time.monotonic()
+                    if self.metrics is not None and choice.index in last_sent:
+                        self.metrics.observe_token_gap(now - last_sent[choice.index])
+                    last_sent[choice.index] = now
+                    yield p.sse(payload)
+            if last_chunk is not None:
+                yield p.sse(last_chunk())
+        except (RequestFailedError, EngineDeadError) as exc:
+            error = _server_error(exc)
+            yield p.sse(p.error_body(error.message, error.type, code=error.code))
+        yield p.sse("[DONE]")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (or the response's end).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None) -> FastAPI:
+    server = Server(engine, tokenizer, served_model_name, api_key, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.async_engine.start()
+        yield
+        server.async_engine.stop()
+
+    app = FastAPI(title="specserve", lifespan=lifespan)
+    app.state.server = server
+    _install_error_handlers(app)
+
+    async def authorize(request: Request) -> None:
+        if server.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error", code="invalid_api_key")
+
+    _add_routes(app, server, [Depends(authorize)])
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(p.error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception):
+        logger.exception("unexpected error")
+        return JSONResponse(p.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+                            status_code=500)
+
+
+# ---- routes -----------------------------------------------------------------------------------
+
+def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
+    @app.post("/v1/completions", dependencies=protected)
+    async def completions(body: p.CompletionRequest, request: Request):
+        return await _completions(server, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=protected)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        return await _chat_completions(server, body, request)
+
+    @app.get("/v1/models", dependencies=protected)
+    async def models():
+        return {"object": "list", "data": [_model_card(server)]}
+
+    @app.get("/v1/models/{model:path}", dependencies=protected)
+    async def model(model: str):
+        server.check_model(model)
+        return _model_card(server)
+
+    @app.post("/tokenize", dependencies=protected)
+    async def tokenize(body: p.TokenizeRequest):
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            tokens = _render(server, body.messages, body.add_generation_prompt)
+        else:
+            tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.engine.max_model_len}
+
+    @app.post("/detokenize", dependencies=protected)
+    async def detokenize(body: p.DetokenizeRequest):
+        server.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < len(server.tokenizer)]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens)}
+
+    @app.get("/version", dependencies=protected)
+    async def version():
+        return {"version": _version()}
+
+    @app.get("/health")
+    async def health():
+        if not server.async_engine.is_alive:
+            return APIError(503, server._dead_reason(), "server_error", code="engine_dead").response()
+        return {"status": "ok", "num_requests": len(server.engine.requests), **server.async_engine.kv_blocks()}
+
+    @app.get("/metrics")
+    async def metrics():
+        if server.metrics is None:
+            raise APIError(404, "metrics are not enabled")
+        from server.metrics import CONTENT_TYPE
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_card(server: Server) -> dict[str, Any]:
+    return {"id": server.served_model_name, "object": "model", "created": server.created, "owned_by": "specserve",
+            "root": server.engine.config.model, "max_model_len": server.engine.max_model_len}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("specserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _render(server: Server, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
+    rendered = []
+    for message in messages:
+        item = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            if any(part.get("type") != "text" for part in message.content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            item["content"] = "".join(str(part.get("text", "")) for part in message.content)
+        rendered.append(item)
+    try:
+        return render_chat(server.tokenizer, rendered, add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
+# ---- /v1/completions ------------------------------------------------------------------------
+
+def _completion_prompts(server: Server, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt, and its text when it came as text."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if len(prompt) == 0:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    if isinstance(prompt[0], str):
+        return [server.tokenizer.encode(text) for text in prompt], list(prompt)
+    return [list(ids) for ids in prompt], [None] * len(prompt)
+
+
+async def _completions(server: Server, body: p.CompletionRequest, request: Request):
+    server.check_model(body.model)
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    scoring_only = max_tokens == 0 and body.echo   # scoring a prompt: echo (and logprobs), nothing generated
+    prompts, texts = _completion_prompts(server, body.prompt)
+    params = server.sampling_params(
+        body, max_tokens=1 if scoring_only else max_tokens, logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+    request_id = p.new_id("cmpl")
+    choices = server.choices(prompts, params, body, request_id, keep_output=not scoring_only)
+    generation = await server.start(choices, "prompt")
+    echo_texts = [texts[c.index // body.n] if texts[c.index // body.n] is not None
+                  else server.tokenizer.decode(c.prompt_token_ids) for c in choices] if body.echo else None
+
+    def logprobs_of(choice: Choice, start: int, echoed: bool, offset: int) -> tuple[dict | None, int]:
+        if body.logprobs is None:
+            return None, offset
+        ids, entries = choice.token_ids[start:], choice.logprobs[start:]
+        if echoed:
+            ids, entries = choice.prompt_token_ids + ids, (choice.prompt_logprobs or [None] * len(
+                choice.prompt_token_ids)) + entries
+        return p.completion_logprobs(entries, ids, server.token_str, offset)
+
+    def usage() -> dict[str, int]:
+        return p.usage(sum(len(ids) for ids in prompts), generation.num_completion_tokens)
+
+    head = {"id": request_id, "object": "text_completion", "created": p.now(), "model": server.served_model_name}
+    if not body.stream:
+        await server.run(generation, request)
+        out = []
+        for choice in choices:
+            text = (echo_texts[choice.index] if body.echo else "") + choice.text
+            logprobs, _ = logprobs_of(choice, 0, body.echo, 0)
+            out.append({"index": choice.index, "text": text, "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason})
+        return {**head, "choices": out, "usage": usage(),
+                "speculative": p.speculative([c.spec for c in choices])}
+
+    offsets = [0] * len(choices)
+    echoed = [not body.echo] * len(choices)
+
+    def chunk(choice: Choice, text: str, start: int) -> dict | None:
+        i = choice.index
+        first_echo = not echoed[i]
+        if not (text or choice.finish_reason or first_echo or (body.logprobs is not None and
+                                                                  start < len(choice.token_ids))):
+            return None
+        echoed[i] = True
+        logprobs, offsets[i] = logprobs_of(choice, start, first_echo, offsets[i])
+        text = (echo_texts[i] if first_echo else "") + text
+        item = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        return {**head, "choices": [item], **({"usage": None} if body.include_usage else {})}
+
+    last = (lambda: {**head, "choices": [], "usage": usage(),
+                     "speculative": p.speculative([c.spec for c in choices])}) if body.include_usage else None
+    return _sse_response(server.stream(generation, [], chunk, last))
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+
+async def _chat_completions(server: Server, body: p.ChatCompletionRequest, request: Request):
+    server.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    prompt = _render(server, body.messages, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:   # as much as the context leaves (at least 1, so a full prompt gets the context error)
+        max_tokens = max(1, server.engine.max_model_len - len(prompt))
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    try:
+        params = server.sampling_params(body, max_tokens=max_tokens,
+                                        logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    except APIError as exc:
+        exc.param = param if exc.param == "max_tokens" else exc.param
+        raise
+    request_id = p.new_id("chatcmpl")
+    choices = server.choices([prompt], params, body, request_id)
+    generation = await server.start(choices, "messages")
+    head = {"id": request_id, "object": "chat.completion", "created": p.now(), "model": server.served_model_name}
+
+    def logprobs_of(choice: Choice, start: int) -> dict | None:
+        return p.chat_logprobs(choice.logprobs[start:], server.token_str) if body.logprobs else None
+
+    def usage() -> dict[str, int]:
+        return p.usage(len(prompt), generation.num_completion_tokens)
+
+    if not body.stream:
+        await server.run(generation, request)
+        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs_of(c, 0), "finish_reason": c.finish_reason} for c in choices]
+        return {**head, "choices": out, "usage": usage(), "speculative": p.speculative([c.spec for c in choices])}
+
+    head = {**head, "object": "chat.completion.chunk"}
+    usage_field = {"usage": None} if body.include_usage else {}
+    first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}], **usage_field} for c in choices]
+
+    def chunk(choice: Choice, text: str, start: int) -> dict | None:
+        if not (text or choice.finish_reason or (body.logprobs and start < len(choice.token_ids))):
+            return None
+        item = {"index": choice.index, "delta": {"content": text} if text else {},
+                "logprobs": logprobs_of(choice, start), "finish_reason": choice.finish_reason}
+        return {**head, "choices": [item], **usage_field}
+
+    last = (lambda: {**head, "choices": [], "usage": usage(),
+                     "speculative": p.speculative([c.spec for c in choices])}) if body.include_usage else None
+    return _sse_response(server.stream(generation, first, chunk, last))

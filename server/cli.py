@@ -1,0 +1,91 @@
+"""`specserve` command line.
+
+    specserve serve [--config configs/X.yaml] [--model PATH] [--port 8000] ...
+    specserve distill ...         (forwarded to train.distill.main)
+    specserve train-default ...   (forwarded to train.default.main)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from server.config import ENV_PREFIX, OPTIONS, ConfigError, ServerConfig, load_config
+
+logger = logging.getLogger("specserve.server")
+
+# Subcommands whose argv goes, unparsed, to another module's main(argv); imported only when used.
+FORWARDED = {"distill": ("train.distill", "distill a draft model from a target (see `specserve distill --help`)"),
+             "train-default": ("train.default", "train the embedded default model pair "
+                                                "(see `specserve train-default --help`)")}
+
+SERVE_EPILOG = f"""\
+Settings are read from the --config YAML file (keys: the option names with underscores, e.g.
+max_num_seqs; `speculative` is a mapping), then from {ENV_PREFIX}<OPTION> environment variables
+(e.g. {ENV_PREFIX}MODEL, {ENV_PREFIX}PORT, {ENV_PREFIX}SPECULATIVE_CONFIG as JSON, {ENV_PREFIX}CONFIG
+for the file), then from these flags; later ones win. Unknown config keys are an error. Relative
+paths are relative to the current directory.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible speculative decoding server")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="run the HTTP server", epilog=SERVE_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--config", metavar="YAML", help=f"YAML config file (or {ENV_PREFIX}CONFIG)")
+    for option in OPTIONS:
+        help_text = f"{option.help} [env {option.env}]"
+        if option.key == "enable_prefix_caching":
+            serve.add_argument(option.flag_name, dest=option.key, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            serve.add_argument(option.flag_name, dest=option.key, metavar=option.metavar, choices=option.choices,
+                               default=None, help=help_text)
+    for name, (_, help_text) in FORWARDED.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in FORWARDED:
+        module = importlib.import_module(FORWARDED[argv[0]][0])
+        return module.main(argv[1:]) or 0
+    args = build_parser().parse_args(argv)
+    flags = {option.key: getattr(args, option.key) for option in OPTIONS}
+    try:
+        config = load_config(args.config, flags)
+    except ConfigError as exc:
+        print(f"specserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    serve(config)
+    return 0
+
+
+def serve(config: ServerConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from engine.engine import Engine
+    from server.api import create_app
+    from server.metrics import Metrics
+    from server.tokenizer import load_tokenizer
+
+    engine = Engine(config.engine)
+    tokenizer = load_tokenizer(config.tokenizer)
+    metrics = Metrics(config.served_model_name, engine.method)
+    app = create_app(engine, tokenizer, config.served_model_name, config.api_key, metrics)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    logger.info("specserve: model=%s served as %r, dtype=%s, device=%s, kv_blocks=%d x %d tokens, "
+                "max_model_len=%d, speculative=%s (gamma %d), auth=%s, url=http://%s:%d/v1",
+                config.engine.model, config.served_model_name, str(engine.dtype).replace("torch.", ""),
+                engine.device, engine.pool.num_blocks, engine.pool.block_size, engine.max_model_len, engine.method,
+                engine.gamma, "on" if config.api_key else "off", host, config.port)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                access_log=config.log_level == "debug")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""ServerConfig: one frozen config object from YAML, then SPECSERVE_* environment variables, then flags.
+
+Every option is declared once in OPTIONS; the YAML keys, the environment variable names
+(SPECSERVE_<KEY>) and the command-line flags (--<key-with-dashes>) all come from that table,
+so the three sources can never drift apart. Later sources win; the `speculative` mapping is
+merged key by key (a flag giving only num_speculative_tokens keeps the YAML's method and model).
+
+Relative paths (model, tokenizer, speculative.model) are used as written, i.e. relative to the
+current directory, not to the YAML file: `make serve` runs from the repository root.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from engine.config import EngineConfig, SpeculativeConfig
+
+ENV_PREFIX = "SPECSERVE_"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or malformed; the message names the key and its source."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    served_model_name: str
+    tokenizer: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.api_key == "":
+            raise ConfigError("api_key must not be empty (leave it unset to turn authentication off)")
+
+
+# ---- value parsers: each takes a YAML value or an env/flag string ------------------------
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {value!r}")
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(value)
+
+
+def _parse_str(value: Any) -> str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ValueError(f"expected a string, got {value!r}")
+    return str(value)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as '512MiB', '4GiB', '2g', '1073741824'."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"expected a size in bytes such as 4GiB or 512MiB, got {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _parse_mapping(value: Any) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"expected a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping / JSON object, got {value!r}")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str
+    parse: Callable[[Any], Any]
+    help: str
+    metavar: str | None = None
+    flag: str | None = None             # default: --key-with-dashes
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def env(self) -> str:   # SPECSERVE_ + the flag's name: SPECSERVE_SPECULATIVE_CONFIG for --speculative-config
+        return ENV_PREFIX + self.flag_name[2:].replace("-", "_").upper()
+
+    @property
+    def flag_name(self) -> str:
+        return self.flag or "--" + self.key.replace("_", "-")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", _parse_str, "target model: a Hugging Face checkpoint directory", "PATH"),
+    Option("served_model_name", _parse_str, "model name clients send and see (default: the model path)", "NAME"),
+    Option("tokenizer", _parse_str, "tokenizer directory (default: the model's)", "PATH"),
+    Option("host", _parse_str, "address to listen on (default 127.0.0.1)", "HOST"),
+    Option("port", _parse_int, "port to listen on (default 8000)", "PORT"),
+    Option("api_key", _parse_str, "require 'Authorization: Bearer KEY' on every endpoint but /health and "
+           "/metrics (default: no authentication)", "KEY"),
+    Option("speculative", _parse_mapping, "speculative decoding as a JSON object, e.g. "
+           "'{\"method\": \"draft\", \"model\": \"models/draft\", \"num_speculative_tokens\": 4}' "
+           "(keys: " + ", ".join(f.name for f in fields(SpeculativeConfig)) + "; merged over the config file's)",
+           "JSON", flag="--speculative-config"),
+    Option("dtype", _parse_str, "weights and KV cache dtype (default auto: bfloat16 on CPU, the checkpoint's "
+           "16-bit type on GPU)", choices=("auto", "bfloat16", "float16", "float32")),
+    Option("device", _parse_str, "auto | cpu | cuda | cuda:N (default auto)", "DEVICE"),
+    Option("max_model_len", _parse_int, "context length: prompt + output tokens (default: the model's)", "N"),
+    Option("max_num_seqs", _parse_int, "most requests in one batch (default 64)", "N"),
+    Option("max_num_batched_tokens", _parse_int, "token budget of one engine step (default 2048)", "N"),
+    Option("num_kv_blocks", _parse_int, "fixed number of KV cache blocks (default: sized from --kv-cache-memory)", "N"),
+    Option("kv_cache_memory", parse_size, "memory for the KV caches of target and draft, e.g. 4GiB "
+           "(default 1GiB)", "SIZE"),
+    Option("block_size", _parse_int, "tokens per KV cache block (default 16; 256 with flash-attn)", "N"),
+    Option("enable_prefix_caching", _parse_bool, "reuse KV blocks of shared prompt prefixes (default true)",
+           "BOOL"),
+    Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
+    Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
+)
+OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
+# Spelled as in EngineConfig; accepted in YAML files as an alias.
+YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level")
+
+
+def _parse(option: Option, value: Any, source: str) -> Any:
+    if value is None:
+        return None
+    try:
+        parsed = option.parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: invalid value for {option.key!r}: {exc}") from None
+    if option.choices and parsed not in option.choices:
+        raise ConfigError(f"{source}: {option.key!r} must be one of {', '.join(option.choices)}, got {parsed!r}")
+    return parsed
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """The options of a YAML config file, parsed; unknown keys are an error naming the key."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of options, got {type(raw).__name__}")
+    values = {}
+    for key, value in raw.items():
+        name = YAML_ALIASES.get(key, key)
+        if name not in OPTIONS_BY_KEY:
+            raise ConfigError(f"{path}: unknown config key {key!r} (known keys: {', '.join(OPTIONS_BY_KEY)})")
+        if name in values:
+            raise ConfigError(f"{path}: {key!r} repeats another key's setting ({name!r})")
+        values[name] = _parse(OPTIONS_BY_KEY[name], value, path)
+    return values
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Options from SPECSERVE_<KEY> variables (SPECSERVE_SPECULATIVE_CONFIG: the speculative JSON)."""
+    return {option.key: _parse(option, environ[option.env], f"environment variable {option.env}")
+            for option in OPTIONS if environ.get(option.env, "") != ""}
+
+
+def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Later layers win; None means "not given"; the speculative mapping merges key by key."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if value is None:
+                continue
+            if key == "speculative" and "speculative" in merged:
+                value = {**merged["speculative"], **value}
+            merged[key] = value
+    return merged
+
+
+def build_config(values: Mapping[str, Any]) -> ServerConfig:
+    """The ServerConfig (with its EngineConfig) from merged option values."""
+    values = dict(values)
+    model = values.pop("model", None)
+    if not model:
+        raise ConfigError("no model given: set --model, SPECSERVE_MODEL or 'model' in the config file")
+    server = {key: values.pop(key) for key in SERVER_KEYS if key in values}
+    if "kv_cache_memory" in values:
+        values["kv_cache_memory_bytes"] = values.pop("kv_cache_memory")
+    speculative = values.pop("speculative", None)
+    try:
+        spec = SpeculativeConfig.from_any(speculative)
+        engine = EngineConfig(model=model, speculative=spec, **values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    server.setdefault("served_model_name", model.rstrip("/") or model)
+    server.setdefault("tokenizer", model)
+    return ServerConfig(engine=engine, **server)
+
+
+def load_config(config_path: str | None = None, flags: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """YAML file (if any; SPECSERVE_CONFIG names one too), then SPECSERVE_* variables, then flags."""
+    environ = os.environ if environ is None else environ
+    config_path = config_path or environ.get(ENV_PREFIX + "CONFIG") or None
+    from_file = read_yaml(config_path) if config_path else {}
+    parsed_flags = {key: _parse(OPTIONS_BY_KEY[key], value, "command line") for key, value in (flags or {}).items()}
+    return build_config(merge(from_file, read_env(environ), parsed_flags))
+
