@@ -60,6 +60,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
                0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+QUEUE_BUCKETS = tuple(sorted(set(TTFT_BUCKETS) | set(E2E_BUCKETS)))   # short and long waits alike
 STEP_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04,
                      0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
@@ -205,7 +206,7 @@ class Metrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive streamed deltas of a request.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to finish.", E2E_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.", TTFT_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.", QUEUE_BUCKETS)
         self.batch_size = histogram("batch_size", "Requests that ran in one engine step.", BATCH_SIZE_BUCKETS)
         self.num_batched_tokens = histogram("num_batched_tokens", "Tokens fed to the target model in one engine step.", BATCHED_TOKENS_BUCKETS)
 
