@@ -372,9 +372,21 @@ def test_k8s_objects_reference_each_other(k8s):
     config_flag = container["args"][container["args"].index("--config") + 1]
     key = config_flag.removeprefix("/config/")
     config = yaml.safe_load(k8s[f"ConfigMap/{config_map}"]["data"][key])
-    assert config["model"].startswith("/models/")
+    assert config["model"].startswith("/models/") and config["speculative"]["model"].startswith("/models/")
     claim = volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
     assert f"PersistentVolumeClaim/{claim}" in k8s
+
+
+def test_k8s_server_config_is_known_to_the_server(k8s, tmp_path):
+    """The ConfigMap's config.yaml uses only keys and values the server's config reader accepts."""
+    server_config = pytest.importorskip("server.config")
+    path = tmp_path / "config.yaml"
+    path.write_text(k8s["ConfigMap/specserve-config"]["data"]["config.yaml"])
+    values = server_config.read_yaml(str(path))   # raises ConfigError on unknown keys or bad values
+    assert values["model"] == "/models/target"
+    env = {e["name"] for e in k8s["Deployment/specserve"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    known = {option.env for option in server_config.OPTIONS}
+    assert {name for name in env if name.startswith("SPECSERVE_")} <= known
 
 
 def test_k8s_deployment_serving_conventions(k8s):
@@ -382,7 +394,13 @@ def test_k8s_deployment_serving_conventions(k8s):
     (container,) = spec["containers"]
     resources = container["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
-    assert container["readinessProbe"]["httpGet"]["path"] == "/v1/models"
+    readiness = container["readinessProbe"]
+    if "exec" in readiness:   # python urllib with the API key when one is set
+        script = readiness["exec"]["command"][-1]
+        assert "/v1/models" in script and "SPECSERVE_API_KEY" in script
+        compile(script, "readinessProbe", "exec")
+    else:
+        assert readiness["httpGet"]["path"] == "/v1/models"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading needs minutes"

@@ -271,3 +271,50 @@ def test_unexpected_finish_reason_still_counted():
     assert value(m, "request_success_total", model_name=MODEL, finished_reason="timeout") == 1
     assert value(m, "request_success_total", model_name=MODEL, finished_reason="stop") == 1
     assert value(m, "e2e_request_latency_seconds_count", model_name=MODEL) == 1
+
+
+def _tiny_pair(request, tmp_path):
+    """The session's shared (target, identical draft) checkpoints when conftest has them, else our own."""
+    try:
+        return request.getfixturevalue("tiny_pair")
+    except pytest.FixtureLookupError:
+        import shutil
+
+        from helpers import make_tiny_checkpoint
+        target = make_tiny_checkpoint(tmp_path / "target", seed=0)
+        return target, shutil.copytree(target, tmp_path / "draft")
+
+
+@pytest.mark.slow   # a real engine on a tiny checkpoint: seconds, mostly torch/transformers start-up
+def test_real_engine_steps(request, tmp_path):
+    """The engine's own StepStats and final outputs, through Metrics: sums match, gauges sane."""
+    pytest.importorskip("torch")
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    target, draft = _tiny_pair(request, tmp_path)   # identical draft: greedy accepts every token
+    engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4,
+                                 speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": 3}))
+    metrics = Metrics(MODEL, engine.method)
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    steps, finals = [], []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps.append(engine.last_stats)
+        metrics.observe_step(engine.last_stats)
+        for output in outputs:
+            if output.finished:
+                finals.append(output)
+                metrics.observe_request(output)
+    sl = spec_labels("draft")
+    assert value(metrics, "spec_decode_num_draft_tokens_total", **sl) == sum(s.num_draft_tokens for s in steps) > 0
+    assert value(metrics, "spec_decode_num_accepted_tokens_total", **sl) == sum(s.num_accepted_tokens for s in steps)
+    assert value(metrics, "generation_tokens_total", model_name=MODEL) == 3 * 12
+    assert value(metrics, "prompt_tokens_total", model_name=MODEL) == 3 * 5
+    assert value(metrics, "request_success_total", model_name=MODEL, finished_reason="length") == 3
+    assert value(metrics, "spec_decode_acceptance_rate", **sl) == 1.0
+    assert value(metrics, "time_to_first_token_seconds_count", model_name=MODEL) == 3
+    speedup = value(metrics, "spec_decode_estimated_speedup", **sl)
+    assert math.isfinite(speedup) and speedup > 0
