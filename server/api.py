@@ -203,8 +203,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            return APIError(400, f"the request body is not valid JSON ({detail})").response()
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = loc[0] if loc else None
+        param = loc[0] if loc and not loc[0].isdigit() else None
         where = ".".join(loc)
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
         return APIError(400, message, param=param).response()

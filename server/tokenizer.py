@@ -48,12 +48,14 @@ class IncrementalDetokenizer:
         self.token_ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
-        self._prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        self._prefix_text: str | None = None   # decoded on first use: the engine validates the prompt first
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self.prefix_offset, self.read_offset)
         self.token_ids.append(token_id)
         text = self._decode(self.prefix_offset)
         if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
@@ -65,6 +67,8 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Whatever is still held back (an unfinished character comes out as U+FFFD)."""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self.prefix_offset, self.read_offset)
         return self._decode(self.prefix_offset)[len(self._prefix_text):]
 
 

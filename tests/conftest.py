@@ -1,0 +1,117 @@
+"""Shared fixtures: a tiny target/draft checkpoint pair, and servers to test against.
+
+- tiny_pair: (target, draft) directories; the draft is a copy of the target, so speculation is on
+  and every draft token is accepted under greedy decoding.
+- ServerProcess: `specserve serve ...` in a subprocess on a free loopback port (the real thing).
+- InProcessServer: uvicorn in a thread of the test process around an app we built, so a test can
+  reach into the engine (slow it down, make it fail) while clients talk HTTP to it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    from helpers import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_pair")
+    target = make_tiny_checkpoint(root / "target", arch="llama", seed=0)
+    draft = root / "draft"
+    shutil.copytree(target, draft)
+    return target, draft
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 2.0):
+    import httpx
+    return httpx.get(url, timeout=timeout)
+
+
+class ServerProcess:
+    """`specserve serve` in a subprocess; start() returns at once, wait_ready() blocks until /health is 200."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+                 port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        script = Path(sys.executable).parent / "specserve"
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+        self.command = command + ["serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.env = {**os.environ, **SERVER_ENV, **(env or {})}
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(self.command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+        import httpx
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if _get(self.url + "/health").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class InProcessServer:
+    """uvicorn serving `app` from a thread of the test process."""
+
+    def __init__(self, app):
+        import uvicorn
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "InProcessServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("in-process server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)

@@ -1,0 +1,476 @@
+"""The HTTP server end to end: real uvicorn processes driven by the official `openai` client.
+
+Two `specserve serve` subprocesses (one configured by flags, one by a YAML file plus SPECSERVE_*
+variables with an API key) serve a tiny random fp32 model whose draft is a copy of itself, so
+speculation is on. Tests that must reach into the engine (slow it down, make it fail, kill its
+loop) run uvicorn in-process around an engine they hold.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import InProcessServer, ServerProcess
+
+MODEL = "tiny"
+ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "64"]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def spec_config(draft) -> dict:
+    return {"method": "draft", "model": str(draft), "num_speculative_tokens": 4}
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def launched(tiny_pair, tmp_path_factory):
+    """Both server processes, started together (start-up is mostly imports: overlap them)."""
+    target, draft = tiny_pair
+    logs = tmp_path_factory.mktemp("server_logs")
+    main = ServerProcess(["--model", str(target), "--served-model-name", MODEL, *ENGINE_FLAGS,
+                          "--speculative-config", json.dumps(spec_config(draft))], log_path=logs / "main.log")
+    config = logs / "auth.yaml"
+    config.write_text(f"model: {target}\nserved_model_name: tiny-auth\ndtype: float32\ndevice: cpu\n"
+                      f"num_kv_blocks: 64\nspeculative:\n  method: ngram\n  num_speculative_tokens: 3\n")
+    auth = ServerProcess(["--config", str(config)], env={"SPECSERVE_API_KEY": "sk-test"},
+                         log_path=logs / "auth.log")
+    main.start()
+    auth.start()
+    yield main, auth
+    main.stop()
+    auth.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(launched, tiny_pair):
+    """The offline LLM on the same checkpoint pair: the reference outputs."""
+    import torch
+
+    from engine.llm import LLM
+    torch.set_num_threads(1)
+    target, draft = tiny_pair
+    return LLM(str(target), dtype="float32", device="cpu", num_kv_blocks=256, speculative=spec_config(draft))
+
+
+@pytest.fixture(scope="module")
+def server(launched) -> ServerProcess:
+    return launched[0].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def auth_server(launched) -> ServerProcess:
+    return launched[1].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(offline, prompt, max_tokens: int) -> str:
+    from engine.sampling_params import SamplingParams
+    return offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].text
+
+
+def metric_samples(url: str, name: str) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} of one metric family from /metrics."""
+    text = httpx.get(url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
+    return {}
+
+
+def steps_with_batch_over_one(url: str) -> float:
+    samples = metric_samples(url, "specserve:batch_size")
+    count = next(v for (n, _), v in samples.items() if n.endswith("_count"))
+    le_one = next(v for (n, labels), v in samples.items() if n.endswith("_bucket") and ("le", "1.0") in labels)
+    return count - le_one
+
+
+def finished_count(url: str, reason: str) -> float:
+    samples = metric_samples(url, "specserve:request_success")
+    return sum(v for (n, labels), v in samples.items() if ("finished_reason", reason) in labels)
+
+
+def wait_until_idle(url: str, timeout: float = 10.0) -> dict:
+    """/health once no request is left in the engine and every KV block is free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(url + "/health").json()
+        if health["num_requests"] == 0 and health["kv_blocks_free"] == health["kv_blocks_total"]:
+            return health
+        assert time.monotonic() < deadline, f"engine not idle: {health}"
+        time.sleep(0.05)
+
+
+def assert_error(response: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == ERROR_KEYS and error["message"]
+    assert error["param"] == param and error["code"] == code, error
+    return error
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---- tokenizer units (no server) -----------------------------------------------------------------
+
+def test_detokenizer_never_splits_multibyte_characters():
+    from helpers import make_tokenizer
+    from server.tokenizer import IncrementalDetokenizer
+
+    tokenizer = make_tokenizer()
+    text = "héllo €uro 😀 ok"
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text.encode())   # one token per byte: characters span tokens
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt: "))
+    pieces = [detok.push(t) for t in ids] + [detok.finish()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_stop_matcher_holds_possible_prefixes_and_never_leaks():
+    from server.tokenizer import StopStringMatcher
+
+    matcher = StopStringMatcher(["STOP", "xyz"])
+    assert matcher.push("abcS") == ("abc", False)
+    assert matcher.push("T") == ("", False)
+    assert matcher.push("OX") == ("STOX", False)   # not a stop string after all: released
+    assert matcher.push("..xy") == ("..", False)
+    assert matcher.push("z and more") == ("", True)
+    tail = StopStringMatcher(["abc"])
+    assert tail.push("xab") == ("x", False)
+    assert tail.finish() == "ab"
+
+
+# ---- endpoints -----------------------------------------------------------------------------------
+
+def test_models_health_version_tokenize(server, client, offline):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["kv_blocks_total"] == 256
+    assert httpx.get(server.url + "/version").json()["version"]
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "héllo"}).json()
+    assert tokens["tokens"] == offline.tokenizer.encode("héllo") and tokens["count"] == len(tokens["tokens"])
+    assert httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "héllo"
+
+
+def test_completions_greedy_equal_offline_llm(client, offline):
+    prompts = ["Hello, world", "The quick brown fox"]
+    expected = [greedy(offline, p, 24) for p in prompts]
+    single = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=24, temperature=0)
+    assert single.choices[0].text == expected[0]
+    assert single.usage.prompt_tokens == len(offline.tokenizer.encode(prompts[0]))
+    assert single.usage.total_tokens == single.usage.prompt_tokens + single.usage.completion_tokens
+    spec = single.model_extra["speculative"]
+    assert spec["proposed"] > 0 and spec["accepted"] == spec["proposed"]   # the draft is the target
+    assert spec["target_forwards"] > 0
+
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == expected
+
+    ids = [offline.tokenizer.encode(p) for p in prompts]
+    by_ids = client.completions.create(model=MODEL, prompt=ids[1], max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == expected[1]
+    by_id_lists = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+    assert [c.text for c in by_id_lists.choices] == expected
+
+
+def test_completions_n_uses_seed_plus_index(client):
+    args = dict(model=MODEL, prompt="Once upon", max_tokens=12, temperature=1.0)
+    both = client.completions.create(n=2, seed=123, **args)
+    assert [c.index for c in both.choices] == [0, 1]
+    one = [client.completions.create(seed=seed, **args).choices[0].text for seed in (123, 124)]
+    assert [c.text for c in both.choices] == one
+    assert both.usage.completion_tokens == 24
+
+
+def test_completions_logprobs_echo_for_scoring(client, offline):
+    from engine.sampling_params import SamplingParams
+
+    prompt = "Score this text"
+    prompt_ids = offline.tokenizer.encode(prompt)
+    # lm-eval's loglikelihood request
+    result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True,
+                                       temperature=0)
+    choice = result.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == \
+        len(prompt_ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    reference = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=1,
+                                                          prompt_logprobs=1))[0]
+    for got, want in zip(lp.token_logprobs[1:-1], reference.prompt_logprobs[1:]):
+        assert got == pytest.approx(want.logprob, abs=1e-4)
+    assert lp.token_logprobs[-1] == pytest.approx(reference.logprobs[0].logprob, abs=1e-4)
+    assert max(lp.top_logprobs[-1], key=lp.top_logprobs[-1].get) == lp.tokens[-1]   # greedy: the best token
+    assert all(isinstance(t, dict) and t for t in lp.top_logprobs[1:])
+
+    # max_tokens 0 with echo: score the prompt only
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1], abs=1e-5)
+
+
+def test_completions_stream_equals_non_stream(client):
+    args = dict(model=MODEL, prompt="Stream me", max_tokens=30, temperature=0.8, seed=11, logprobs=2)
+    full = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert text == full.choices[0].text
+    assert tokens == full.choices[0].logprobs.tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_chat_non_streaming_and_streaming(server, client, offline):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Tell me a story"}]
+    args = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0.9, seed=5)
+    full = client.chat.completions.create(**args)
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage == full.usage
+    assert usage_chunk.model_extra["speculative"]["proposed"] > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    greedy_chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert greedy_chat.choices[0].message.content == greedy(offline, prompt_ids, 20)
+    assert greedy_chat.usage.prompt_tokens == len(prompt_ids)
+
+    with_logprobs = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                   logprobs=True, top_logprobs=3)
+    content = with_logprobs.choices[0].logprobs.content
+    assert len(content) == with_logprobs.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 3 and item.logprob <= 0 for item in content)
+
+
+def test_stop_strings_across_token_boundaries(server, client, offline):
+    prompt = "Stop strings"
+    base = greedy(offline, prompt, 48)
+    # A 3-character stop string from the middle of the output: 3+ byte tokens in this tokenizer.
+    start = next(i for i in range(6, len(base) - 3) if "\ufffd" not in base[i:i + 3]
+                 and base.index(base[i:i + 3]) == i)
+    stop = base[start:start + 3]
+    args = dict(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stop=[stop, "never-there"])
+    stopped = client.completions.create(**args)
+    assert stopped.choices[0].text == base[:start]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens < 48
+    chunks = list(client.completions.create(stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == base[:start]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=30,
+                                          temperature=0, stop="\ufffd")
+    assert "\ufffd" not in chat.choices[0].message.content
+    wait_until_idle(server.url)   # the stopped requests were aborted in the engine
+
+
+def test_concurrent_streams_are_batched_and_independent(server, offline):
+    prompts = [f"Request number {i}: " + "abc" * (i % 5) for i in range(32)]
+    expected = [greedy(offline, p, 24) for p in prompts]
+    batched_before = steps_with_batch_over_one(server.url)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(all_of_them()) == expected
+    assert steps_with_batch_over_one(server.url) > batched_before
+    wait_until_idle(server.url)
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    aborted_before = finished_count(server.url, "abort")
+    body = {"model": MODEL, "prompt": "long one", "max_tokens": 480, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    health = wait_until_idle(server.url)
+    assert health["kv_blocks_free"] == health["kv_blocks_total"] == 256
+    assert finished_count(server.url, "abort") == aborted_before + 1
+    assert metric_samples(server.url, "specserve:kv_cache_usage_perc")[
+        ("specserve:kv_cache_usage_perc", (("model_name", MODEL),))] == 0
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n", None),
+    ("/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs", None),
+    ("/v1/completions", {"max_tokens": 1}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 100000}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-9"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400,
+     "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 600}]}, 400, "messages",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -1}, 400,
+     "max_completion_tokens", None),
+])
+def test_error_responses(server, path, body, status, param, code):
+    assert_error(httpx.post(server.url + path, json=body), status, param, code)
+
+
+def test_malformed_json_and_unknown_fields(server):
+    bad = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(bad, 400)
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "frobnicate": 1,
+                                                           "extra": {"x": [1]}})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert_error(httpx.get(server.url + "/v1/nothing-here"), 404)
+
+
+def test_auth(auth_server):
+    url = auth_server.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test"}):
+        error = assert_error(httpx.post(url + "/v1/completions", json={"prompt": "a"}, headers=headers), 401,
+                             code="invalid_api_key")
+        assert error["type"] == "authentication_error"
+        assert_error(httpx.get(url + "/v1/models", headers=headers), 401, code="invalid_api_key")
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny-auth"]   # from the YAML file
+    result = client.completions.create(model="tiny-auth", prompt="hi", max_tokens=4)
+    assert result.usage.completion_tokens == 4
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert 'method="ngram"' in httpx.get(url + "/metrics").text
+
+
+# ---- in-process servers: failures and disconnects the engine is made to show -----------------------
+
+@pytest.fixture
+def make_server(tiny_pair):
+    """An app around an engine the test holds, served by uvicorn in a thread."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from server.api import create_app
+    from server.metrics import Metrics
+    from server.tokenizer import load_tokenizer
+    torch.set_num_threads(1)
+    target, draft = tiny_pair
+
+    def make(tokenizer=None, api_key=None):
+        engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=64,
+                                     max_num_seqs=8, speculative=spec_config(draft)))
+        app = create_app(engine, tokenizer or load_tokenizer(str(target)), MODEL, api_key,
+                         Metrics(MODEL, engine.method))
+        return engine, InProcessServer(app)
+    return make
+
+
+def slow_down(monkeypatch, engine, seconds: float = 0.02) -> None:
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
+def test_disconnects_abort_and_free_blocks(make_server, monkeypatch):
+    engine, server = make_server()
+    slow_down(monkeypatch, engine)   # 480 tokens now take seconds: the client surely leaves first
+    body = {"model": MODEL, "prompt": "long one", "max_tokens": 480, "ignore_eos": True}
+    with server:
+        with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/completions",
+                                                           json={**body, "stream": True}) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        wait_until_idle(server.url, timeout=2)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        wait_until_idle(server.url, timeout=2)
+        assert finished_count(server.url, "abort") == 2
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.has_unfinished_requests()
+
+
+def test_engine_failure_of_one_request_is_a_500(make_server, monkeypatch):
+    engine, server = make_server()
+    poison = 7
+    propose = engine.proposer.propose
+
+    def failing_propose(scheduled):
+        if any(s.request.token_ids[0] == poison and s.request.num_output_tokens >= 2 for s in scheduled):
+            raise RuntimeError("injected failure")
+        return propose(scheduled)
+    monkeypatch.setattr(engine.proposer, "propose", failing_propose)
+    body = {"model": MODEL, "prompt": [poison, 65, 66], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    with server:
+        error = assert_error(httpx.post(server.url + "/v1/completions", json=body), 500, code="engine_error")
+        assert error["type"] == "server_error" and "injected failure" in error["message"]
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_events(r)
+        assert events[0]["choices"][0]["text"] and set(events[-2]["error"]) == ERROR_KEYS and events[-1] == "[DONE]"
+        ok = httpx.post(server.url + "/v1/completions", json={**body, "prompt": [8, 65, 66]})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 40
+        assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_dead_engine_loop_is_503(make_server, monkeypatch):
+    engine, server = make_server()
+
+    def broken_step():
+        raise RuntimeError("engine loop bug")
+    monkeypatch.setattr(engine, "step", broken_step)
+    with server:
+        assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": "a"}), 503, code="engine_dead")
+        assert_error(httpx.get(server.url + "/health"), 503, code="engine_dead")
+        error = assert_error(httpx.post(server.url + "/v1/chat/completions",
+                                        json={"messages": [{"role": "user", "content": "a"}]}), 503,
+                             code="engine_dead")
+        assert "engine loop bug" in error["message"]
+
+
+def test_chat_without_template_is_a_clear_400(make_server, tiny_pair):
+    from server.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(str(tiny_pair[0]))
+    tokenizer.chat_template = None
+    _, server = make_server(tokenizer=tokenizer)
+    with server:
+        error = assert_error(httpx.post(server.url + "/v1/chat/completions",
+                                        json={"messages": [{"role": "user", "content": "a"}]}), 400, "messages")
+        assert "chat template" in error["message"]
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
