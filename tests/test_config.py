@@ -1,0 +1,144 @@
+"""ServerConfig loading (YAML < SPECSERVE_* environment < flags) and the `specserve` command line."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from server.cli import build_parser, main
+from server.config import OPTIONS, ConfigError, load_config, parse_size, read_yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch) -> Path:
+    """A working directory with two checkpoint-looking directories (the config only checks config.json)."""
+    for name in ("target", "draft"):
+        (tmp_path / "models" / name).mkdir(parents=True)
+        (tmp_path / "models" / name / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write_yaml(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_then_env_then_flags(models):
+    config_file = write_yaml(models / "configs" / "pair.yaml", """
+model: models/target
+port: 1000
+max_num_seqs: 8
+kv_cache_memory: 2GiB
+speculative:
+  method: draft
+  model: models/draft
+  num_speculative_tokens: 4
+""")
+    env = {"SPECSERVE_PORT": "2000", "SPECSERVE_MAX_NUM_SEQS": "16", "SPECSERVE_API_KEY": "k",
+           "SPECSERVE_SPECULATIVE_CONFIG": json.dumps({"num_speculative_tokens": 2})}
+    config = load_config(config_file, {"port": "3000"}, environ=env)
+    assert config.port == 3000 and config.engine.max_num_seqs == 16 and config.api_key == "k"
+    assert config.engine.kv_cache_memory_bytes == 2 * 2**30
+    spec = config.engine.speculative   # merged key by key: method and model from YAML, gamma from env
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft", "models/draft", 2)
+    assert config.served_model_name == "models/target" and config.tokenizer == "models/target"
+    assert config.host == "127.0.0.1" and config.engine.dtype == "auto"
+
+    flags = {"speculative": '{"method": "ngram"}', "served_model_name": "pair", "enable_prefix_caching": False}
+    config = load_config(config_file, flags, environ={})
+    assert config.engine.speculative.method == "ngram" and config.served_model_name == "pair"
+    assert config.engine.enable_prefix_caching is False and config.port == 1000
+
+
+def test_config_file_from_env_and_defaults(models):
+    config_file = write_yaml(models / "c.yaml", "model: models/target\n")
+    config = load_config(None, {}, environ={"SPECSERVE_CONFIG": config_file, "SPECSERVE_DTYPE": "float32"})
+    assert config.engine.dtype == "float32" and config.port == 8000 and config.api_key is None
+    assert config.engine.speculative.method == "none"
+    config = load_config(None, {"model": "models/target"}, environ={"SPECSERVE_MODEL": "elsewhere"})
+    assert config.engine.model == "models/target"
+
+
+def test_relative_model_paths_resolve_against_the_current_directory(models, tmp_path_factory, monkeypatch):
+    config_file = write_yaml(models / "configs" / "rel.yaml", "model: models/target\n")
+    assert load_config(config_file, environ={}).engine.model == "models/target"
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    with pytest.raises(ConfigError, match="models/target"):
+        load_config(config_file, environ={})
+
+
+def test_unknown_key_is_an_error_naming_it(models):
+    config_file = write_yaml(models / "bad.yaml", "model: models/target\nmax_num_seqz: 4\n")
+    with pytest.raises(ConfigError, match="max_num_seqz"):
+        load_config(config_file, environ={})
+    config_file = write_yaml(models / "bad_spec.yaml", "model: models/target\nspeculative:\n  gamma: 4\n")
+    with pytest.raises(ConfigError, match="gamma"):
+        load_config(config_file, environ={})
+
+
+@pytest.mark.parametrize("text, key", [
+    ("model: models/target\nport: eighty\n", "port"),
+    ("model: models/target\ndtype: fp8\n", "dtype"),
+    ("model: models/target\nkv_cache_memory: lots\n", "kv_cache_memory"),
+    ("model: models/target\nenable_prefix_caching: maybe\n", "enable_prefix_caching"),
+    ("model: models/target\nspeculative: draft\n", "speculative"),
+    ("model: models/target\nmax_num_seqs: 0\n", "max_num_seqs"),
+    ("port: 1\n", "model"),
+    ("- model\n", "mapping"),
+])
+def test_bad_values_name_the_key(models, text, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(write_yaml(models / "bad.yaml", text), environ={})
+
+
+def test_bad_environment_value_names_the_variable(models):
+    with pytest.raises(ConfigError, match="SPECSERVE_SPECULATIVE_CONFIG"):
+        load_config(None, {"model": "models/target"}, environ={"SPECSERVE_SPECULATIVE_CONFIG": "{not json"})
+
+
+def test_parse_size():
+    assert parse_size(1024) == 1024 and parse_size("4GiB") == 4 * 2**30 and parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5g") == 1_500_000_000 and parse_size("100") == 100
+    with pytest.raises(ValueError):
+        parse_size("4 parsecs")
+
+
+def test_help_documents_every_option():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    help_text = " ".join(serve.format_help().split())
+    for option in OPTIONS:
+        assert option.flag_name in help_text and option.env in help_text
+    for flag in ("--config", "--model", "--served-model-name", "--host", "--port", "--api-key",
+                 "--speculative-config", "--dtype", "--device", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--num-kv-blocks", "--kv-cache-memory", "--block-size", "--seed",
+                 "--log-level"):
+        assert flag in help_text
+    top = build_parser().format_help()
+    assert "distill" in top and "train-default" in top
+
+
+@pytest.mark.parametrize("command, module", [("distill", "train.distill"), ("train-default", "train.default")])
+def test_training_subcommands_forward_argv(monkeypatch, command, module):
+    calls = []
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(main=lambda argv: calls.append(argv) or 0))
+    assert main([command, "--steps", "3", "--help"]) == 0
+    assert calls == [["--steps", "3", "--help"]]
+
+
+def test_cli_config_error_exits_2(models, capsys):
+    config_file = write_yaml(models / "bad.yaml", "model: models/target\nwhatever: 1\n")
+    assert main(["serve", "--config", config_file]) == 2
+    assert "whatever" in capsys.readouterr().err
+
+
+def test_repository_configs_use_known_keys():
+    files = sorted((REPO / "configs").glob("*.yaml"))
+    for path in files:
+        assert "model" in read_yaml(str(path)), path
