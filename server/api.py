@@ -18,9 +18,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response, StreamingResponse
 
 from engine.engine import ContextLengthError
 from engine.sampling_params import SamplingParams
@@ -31,20 +29,10 @@ from server.tokenizer import ChatTemplateError, TextStream, TokenStrings, render
 logger = logging.getLogger("specserve.server")
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(p.error_body(self.message, self.type, self.param, self.code), status_code=self.status)
-
-
-def _server_error(exc: Exception) -> APIError:
+def _server_error(exc: Exception) -> p.APIError:
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "server_error", code="engine_dead")
-    return APIError(500, f"the engine failed this request: {exc}", "server_error", code="engine_error")
+        return p.APIError(503, str(exc), "server_error", code="engine_dead")
+    return p.APIError(500, f"the engine failed this request: {exc}", "server_error", code="engine_error")
 
 
 def _param_in(message: str, names: set[str]) -> str | None:
@@ -68,24 +56,20 @@ class Server:
     # ---- checks ---------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves "
+            raise p.APIError(404, f"The model `{model}` does not exist (this server serves "
                                 f"`{self.served_model_name}`).", param="model", code="model_not_found")
 
     def check_alive(self) -> None:
         if not self.async_engine.is_alive:
-            raise _server_error(EngineDeadError(self._dead_reason()))
-
-    def _dead_reason(self) -> str:
-        error = self.async_engine.error
-        return f"the engine loop died: {type(error).__name__}: {error}" if error else "the engine loop is not running"
+            raise _server_error(EngineDeadError(self.async_engine.dead_reason))
 
     def sampling_params(self, request: p._SamplingRequest, **fields) -> SamplingParams:
         if request.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+            raise p.APIError(400, "logit_bias is not supported", param="logit_bias")
         try:
             return SamplingParams(**fields, **request.sampling_kwargs())
         except ValueError as exc:
-            raise APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
+            raise p.APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
 
     # ---- generation -------------------------------------------------------------------
     def choices(self, prompts: list[list[int]], params: SamplingParams, request: p._SamplingRequest,
@@ -105,9 +89,9 @@ class Server:
         try:
             await generation.start()
         except ContextLengthError as exc:
-            raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
+            raise p.APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
         except ValueError as exc:
-            raise APIError(400, str(exc), param=prompt_param) from None
+            raise p.APIError(400, str(exc), param=prompt_param) from None
         except EngineDeadError as exc:
             raise _server_error(exc) from None
         return generation
@@ -120,35 +104,36 @@ class Server:
             await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnected.cancel()
-            if not collect.done():
-                collect.cancel()   # the generator's finally aborts the unfinished choices
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-        if collect.cancelled():
-            raise APIError(499, "client disconnected")
+            collect.cancel()
+            generation.close()
+        if not collect.done() or collect.cancelled():
+            raise p.APIError(499, "client disconnected")
         try:
             collect.result()
         except (RequestFailedError, EngineDeadError) as exc:
             raise _server_error(exc) from None
 
-    async def stream(self, generation: Generation, first_chunks: list[dict],
-                     chunk: Callable[[Choice, str, int], dict | None], last_chunk: Callable[[], dict] | None
-                     ) -> AsyncIterator[str]:
-        """SSE events of a generation; an error after the start is an event, then [DONE]."""
+    def stream(self, generation: Generation, first_chunks: list[dict],
+               chunk: Callable[[Choice, str, int], dict | None], last_chunk: Callable[[], dict] | None
+               ) -> StreamingResponse:
+        """The SSE response of a generation: first_chunks, chunk(choice, new text, first new token)
+        per delta (None: nothing to send yet), then last_chunk() and [DONE]."""
+        return _SSEResponse(self._events(generation, first_chunks, chunk, last_chunk), generation)
+
+    async def _events(self, generation, first_chunks, chunk, last_chunk) -> AsyncIterator[str]:
         last_sent: dict[int, float] = {}
         try:
             for first in first_chunks:
                 yield p.sse(first)
-            async with contextlib.aclosing(generation.deltas()) as deltas:
-                async for choice, text, start in deltas:
-                    payload = chunk(choice, text, start)
-                    if payload is None:
-                        continue
-                    now = time.monotonic()
-                    if self.metrics is not None and choice.index in last_sent:
-                        self.metrics.observe_token_gap(now - last_sent[choice.index])
-                    last_sent[choice.index] = now
-                    yield p.sse(payload)
+            async for choice, text, start in generation.deltas():
+                payload = chunk(choice, text, start)
+                if payload is None:
+                    continue
+                now = time.monotonic()
+                if self.metrics is not None and choice.index in last_sent:
+                    self.metrics.observe_token_gap(now - last_sent[choice.index])
+                last_sent[choice.index] = now
+                yield p.sse(payload)
             if last_chunk is not None:
                 yield p.sse(last_chunk())
         except (RequestFailedError, EngineDeadError) as exc:
@@ -163,9 +148,20 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _SSEResponse(StreamingResponse):
+    """Server-sent events whose generation is closed however the response ends: finished, failed,
+    or cut short by a client disconnect (Starlette then cancels the stream without closing it)."""
+
+    def __init__(self, events: AsyncIterator[str], generation: Generation):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
 
 
 def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None) -> FastAPI:
@@ -179,7 +175,7 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.server = server
-    _install_error_handlers(app)
+    p.install_error_handlers(app)
 
     async def authorize(request: Request) -> None:
         if server.api_key is None:
@@ -187,41 +183,11 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+            raise p.APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            "authentication_error", code="invalid_api_key")
 
     _add_routes(app, server, [Depends(authorize)])
     return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        if first.get("type") == "json_invalid":
-            detail = first.get("ctx", {}).get("error", "")
-            return APIError(400, f"the request body is not valid JSON ({detail})").response()
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = loc[0] if loc and not loc[0].isdigit() else None
-        where = ".".join(loc)
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-        return APIError(400, message, param=param).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(p.error_body(str(exc.detail), kind), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception):
-        logger.exception("unexpected error")
-        return JSONResponse(p.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
-                            status_code=500)
 
 
 # ---- routes -----------------------------------------------------------------------------------
@@ -248,7 +214,7 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
     async def tokenize(body: p.TokenizeRequest):
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+            raise p.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
             tokens = _render(server, body.messages, body.add_generation_prompt)
         else:
@@ -260,7 +226,7 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
         server.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < len(server.tokenizer)]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+            raise p.APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return {"prompt": server.tokenizer.decode(body.tokens)}
 
     @app.get("/version", dependencies=protected)
@@ -270,13 +236,13 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
     @app.get("/health")
     async def health():
         if not server.async_engine.is_alive:
-            return APIError(503, server._dead_reason(), "server_error", code="engine_dead").response()
+            return _server_error(EngineDeadError(server.async_engine.dead_reason)).response()
         return {"status": "ok", "num_requests": len(server.engine.requests), **server.async_engine.kv_blocks()}
 
     @app.get("/metrics")
     async def metrics():
         if server.metrics is None:
-            raise APIError(404, "metrics are not enabled")
+            raise p.APIError(404, "metrics are not enabled")
         from server.metrics import CONTENT_TYPE
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -295,18 +261,11 @@ def _version() -> str:
 
 
 def _render(server: Server, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
-    rendered = []
-    for message in messages:
-        item = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):
-            if any(part.get("type") != "text" for part in message.content):
-                raise APIError(400, "only text content parts are supported", param="messages")
-            item["content"] = "".join(str(part.get("text", "")) for part in message.content)
-        rendered.append(item)
     try:
-        return render_chat(server.tokenizer, rendered, add_generation_prompt)
+        return render_chat(server.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+                           add_generation_prompt)
     except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+        raise p.APIError(400, str(exc), param="messages") from None
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
@@ -316,7 +275,7 @@ def _completion_prompts(server: Server, prompt) -> tuple[list[list[int]], list[s
     if isinstance(prompt, str):
         prompt = [prompt]
     if len(prompt) == 0:
-        raise APIError(400, "prompt must not be empty", param="prompt")
+        raise p.APIError(400, "prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
     if isinstance(prompt[0], str):
@@ -327,9 +286,9 @@ def _completion_prompts(server: Server, prompt) -> tuple[list[list[int]], list[s
 async def _completions(server: Server, body: p.CompletionRequest, request: Request):
     server.check_model(body.model)
     if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
+        raise p.APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
     if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
+        raise p.APIError(400, "suffix is not supported", param="suffix")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     scoring_only = max_tokens == 0 and body.echo   # scoring a prompt: echo (and logprobs), nothing generated
     prompts, texts = _completion_prompts(server, body.prompt)
@@ -339,8 +298,9 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
     request_id = p.new_id("cmpl")
     choices = server.choices(prompts, params, body, request_id, keep_output=not scoring_only)
     generation = await server.start(choices, "prompt")
-    echo_texts = [texts[c.index // body.n] if texts[c.index // body.n] is not None
-                  else server.tokenizer.decode(c.prompt_token_ids) for c in choices] if body.echo else None
+    # what echo puts in front of each choice's text: the prompt as given, else its decoded tokens
+    echo_texts = [(text if text is not None else server.tokenizer.decode(ids)) if body.echo else ""
+                  for ids, text in zip(prompts, texts) for _ in range(body.n)]
 
     def logprobs_of(choice: Choice, start: int, echoed: bool, offset: int) -> tuple[dict | None, int]:
         if body.logprobs is None:
@@ -359,7 +319,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
         await server.run(generation, request)
         out = []
         for choice in choices:
-            text = (echo_texts[choice.index] if body.echo else "") + choice.text
+            text = echo_texts[choice.index] + choice.text
             logprobs, _ = logprobs_of(choice, 0, body.echo, 0)
             out.append({"index": choice.index, "text": text, "logprobs": logprobs,
                         "finish_reason": choice.finish_reason})
@@ -383,7 +343,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
 
     last = (lambda: {**head, "choices": [], "usage": usage(),
                      "speculative": p.speculative([c.spec for c in choices])}) if body.include_usage else None
-    return _sse_response(server.stream(generation, [], chunk, last))
+    return server.stream(generation, [], chunk, last)
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
@@ -391,7 +351,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
 async def _chat_completions(server: Server, body: p.ChatCompletionRequest, request: Request):
     server.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        raise p.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     prompt = _render(server, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:   # as much as the context leaves (at least 1, so a full prompt gets the context error)
@@ -400,7 +360,7 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     try:
         params = server.sampling_params(body, max_tokens=max_tokens,
                                         logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    except APIError as exc:
+    except p.APIError as exc:
         exc.param = param if exc.param == "max_tokens" else exc.param
         raise
     request_id = p.new_id("chatcmpl")
@@ -434,4 +394,4 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
 
     last = (lambda: {**head, "choices": [], "usage": usage(),
                      "speculative": p.speculative([c.spec for c in choices])}) if body.include_usage else None
-    return _sse_response(server.stream(generation, first, chunk, last))
+    return server.stream(generation, first, chunk, last)

@@ -13,8 +13,8 @@ request -> queue map is read and written on the event loop thread only.
 
 A Generation is one HTTP request's side of the bridge: its choices (one engine request each), their
 text (incremental detokenizer + stop strings), and an iterator over their deltas that ends a choice
-whose stop string matched (aborting it in the engine) and aborts every unfinished choice when it is
-closed early, which is what happens when the client disconnects.
+whose stop string matched (aborting it in the engine). Its owner closes it when the response ends,
+however it ends: close() aborts every unfinished choice (the client went away, or one failed).
 """
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ class AsyncEngine:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def dead_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine loop died: {type(self.error).__name__}: {self.error}"
+        return "the engine loop is not running"
 
     @property
     def is_alive(self) -> bool:
@@ -164,10 +170,8 @@ class AsyncEngine:
         with self._wakeup:
             pending, self._stopping = list(self._commands), True
             self._commands.clear()
-        reason = f"the engine loop died: {type(self.error).__name__}: {self.error}" if self.error else \
-            "the engine loop has stopped"
         try:
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(reason), pending)
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(self.dead_reason), pending)
         except RuntimeError:
             pass   # the event loop is closed already (shutdown)
 
@@ -294,30 +298,33 @@ class Generation:
                                        self.queue)
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, str, int]]:
+        """(choice, new text, index of its first new token) per engine delta, until all are finished.
+        Raises RequestFailedError when the engine fails a choice, EngineDeadError when the loop dies."""
         pending = {c.request_id: c for c in self.choices}
-        try:
-            while pending:
-                item = await self.queue.get()
-                if isinstance(item, EngineDeadError):
-                    raise item
-                choice = pending.get(item.request_id)
-                if choice is None:
-                    continue
-                if item.finish_reason == "error":
-                    raise RequestFailedError(item.error or "the engine failed this request")
-                text, start = choice.consume(item)
-                if choice.finish_reason is not None:
-                    del pending[item.request_id]
-                    if not item.finished:   # a stop string matched: the engine would go on
-                        self.engine.abort(item.request_id, reason="stop")
-                yield choice, text, start
-        finally:
-            for request_id in pending:
-                self.engine.abort(request_id)
+        while pending:
+            item = await self.queue.get()
+            if isinstance(item, EngineDeadError):
+                raise item
+            choice = pending.get(item.request_id)
+            if choice is None:
+                continue
+            if item.finish_reason == "error":
+                raise RequestFailedError(item.error or "the engine failed this request")
+            text, start = choice.consume(item)
+            if choice.finish_reason is not None:
+                del pending[item.request_id]
+                if not item.finished:   # a stop string matched: the engine would go on
+                    self.engine.abort(item.request_id, reason="stop")
+            yield choice, text, start
 
     async def run_to_end(self) -> None:
         async for _ in self.deltas():
             pass
+
+    def close(self) -> None:
+        """Abort whatever is unfinished (client gone, or one choice failed); a no-op once all finished."""
+        for choice in self.choices:
+            self.engine.abort(choice.request_id)
 
     @property
     def num_completion_tokens(self) -> int:

@@ -1,19 +1,27 @@
-"""OpenAI wire format: pydantic request models (the only pydantic in specserve) and response shapes.
+"""OpenAI wire format: pydantic request models (the only pydantic in specserve), response shapes, errors.
 
 Requests ignore unknown fields (load generators send extra ones). Responses are built as plain
-dicts: they are written once and never validated.
+dicts: they are written once and never validated. Every error, FastAPI's own included, leaves as
+{"error": {"message", "type", "param", "code"}}; invalid requests are 400, never FastAPI's 422.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import uuid
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.outputs import SpecStats, TokenLogprob
+
+logger = logging.getLogger("specserve.server")
 
 MAX_N = 128
 LOGPROB_FLOOR = -9999.0   # JSON has no -inf: a token the warped distribution excludes gets this
@@ -173,3 +181,44 @@ def chat_logprobs(entries: list[TokenLogprob], token_str) -> dict[str, list]:
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
 
+
+# ---- errors ---------------------------------------------------------------------------------
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            return APIError(400, f"the request body is not valid JSON ({detail})").response()
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = loc[0] if loc and not loc[0].isdigit() else None
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception):
+        logger.exception("unexpected error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+                            status_code=500)

@@ -22,16 +22,28 @@ def load_tokenizer(path: str):
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of the messages rendered with the tokenizer's chat template."""
+    """Token ids of the messages rendered with the tokenizer's chat template.
+
+    A content given as a list of parts is joined from its text parts (other kinds are refused)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model's tokenizer has no chat template: use /v1/completions with a "
                                 "plain prompt instead")
+    messages = [_flatten_content(message) for message in messages]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja's raise_exception (e.g. "roles must alternate") and template bugs
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
     # The template already writes any BOS token it wants.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
+        raise ChatTemplateError("only text content parts are supported")
+    return {**message, "content": "".join(str(part.get("text", "")) for part in content)}
 
 
 class IncrementalDetokenizer:

@@ -161,6 +161,10 @@ def test_stop_matcher_holds_possible_prefixes_and_never_leaks():
 # ---- endpoints -----------------------------------------------------------------------------------
 
 def test_models_health_version_tokenize(server, client, offline):
+    start_line = next(line for line in server.log().splitlines() if "url=http://" in line)
+    for part in (f"served as '{MODEL}'", "dtype=float32", "device=cpu", "kv_blocks=256", "speculative=draft",
+                 f"url={server.url}/v1"):
+        assert part in start_line
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     health = httpx.get(server.url + "/health").json()
