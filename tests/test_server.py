@@ -158,6 +158,68 @@ def test_stop_matcher_holds_possible_prefixes_and_never_leaks():
     assert tail.finish() == "ab"
 
 
+class CountingEngine:
+    """Just enough of Engine for the bridge: each step gives every request one more token."""
+
+    def __init__(self):
+        self.requests: dict[str, list[int]] = {}   # id -> [max_tokens, produced]
+        self.polls = 0
+        self.last_stats = None
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        self.requests[request_id] = [params.max_tokens, 0]
+
+    def abort_request(self, request_id):
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        self.polls += 1
+        return bool(self.requests)
+
+    def step(self):
+        from engine.outputs import RequestOutput
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            state[1] += 1
+            finished = state[1] == state[0]
+            outputs.append(RequestOutput(request_id, [state[1]], finished, "length" if finished else None))
+            if finished:
+                del self.requests[request_id]
+        return outputs
+
+
+def test_async_engine_delivers_between_steps_and_sleeps_when_idle():
+    from engine.sampling_params import SamplingParams
+    from server.async_engine import AsyncEngine
+
+    async def scenario():
+        engine = CountingEngine()
+        bridge = AsyncEngine(engine)
+        bridge.start()
+        queue = asyncio.Queue()
+        await bridge.add_requests([("a", [1], SamplingParams(max_tokens=3)), ("b", [1], SamplingParams(max_tokens=50))],
+                                  queue)
+        a_outputs = []
+        while not a_outputs or not a_outputs[-1].finished:
+            output = await queue.get()
+            if output.request_id == "a":
+                a_outputs.append(output)
+        assert [o.new_token_ids for o in a_outputs] == [[1], [2], [3]]
+        bridge.abort("b")
+        with pytest.raises(ValueError, match="empty"):
+            await bridge.add_requests([("c", [], SamplingParams())], queue)
+        await asyncio.sleep(0.05)
+        assert not engine.requests   # b aborted between steps
+        polls = engine.polls
+        await asyncio.sleep(0.3)
+        assert engine.polls - polls <= 1, "the idle engine loop should sleep, not poll"
+        bridge.stop()
+
+    asyncio.run(scenario())
+
+
 # ---- endpoints -----------------------------------------------------------------------------------
 
 def test_models_health_version_tokenize(server, client, offline):
