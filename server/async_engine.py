@@ -199,7 +199,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(request_id, prompt, params)
                     settled.append((future, None))
-                except ValueError as exc:
+                except Exception as exc:  # noqa: BLE001 - bad input fails its request, never the loop
                     settled.append((future, exc))
             else:
                 self._abort(*command[1:])

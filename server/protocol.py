@@ -34,7 +34,7 @@ class StreamOptions(BaseModel):
 
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's usual extras)."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -42,7 +42,7 @@ class _SamplingRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)   # what a torch generator takes
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

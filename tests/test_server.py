@@ -398,6 +398,8 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n", None),
     ("/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": "a", "seed": 2**70}, 400, "seed", None),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [-3]}, 400, "stop_token_ids", None),
     ("/v1/completions", {"max_tokens": 1}, 400, "prompt", None),
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", None),
@@ -417,8 +419,11 @@ def test_error_responses(server, path, body, status, param, code):
 
 
 def test_malformed_json_and_unknown_fields(server):
-    bad = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert_error(bad, 400)
+    headers = {"content-type": "application/json"}
+    assert_error(httpx.post(server.url + "/v1/completions", content=b"{not json", headers=headers), 400)
+    infinite = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "a", "temperature": Infinity}',
+                          headers=headers)
+    assert_error(infinite, 400, "temperature")
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "frobnicate": 1,
                                                            "extra": {"x": [1]}})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
