@@ -113,6 +113,12 @@ class Server:
         except (RequestFailedError, EngineDeadError) as exc:
             raise _server_error(exc) from None
 
+    @staticmethod
+    def totals(generation: Generation, num_prompt_tokens: int) -> dict[str, Any]:
+        """The usage object, and specserve's speculation counters beside it (summed over choices)."""
+        return {"usage": p.usage(num_prompt_tokens, generation.num_completion_tokens),
+                "speculative": p.speculative([c.spec for c in generation.choices])}
+
     def stream(self, generation: Generation, first_chunks: list[dict],
                chunk: Callable[[Choice, str, int], dict | None], last_chunk: Callable[[], dict] | None
                ) -> StreamingResponse:
@@ -311,9 +317,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
                 choice.prompt_token_ids)) + entries
         return p.completion_logprobs(entries, ids, server.token_str, offset)
 
-    def usage() -> dict[str, int]:
-        return p.usage(sum(len(ids) for ids in prompts), generation.num_completion_tokens)
-
+    num_prompt_tokens = sum(len(ids) for ids in prompts)
     head = {"id": request_id, "object": "text_completion", "created": p.now(), "model": server.served_model_name}
     if not body.stream:
         await server.run(generation, request)
@@ -323,8 +327,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
             logprobs, _ = logprobs_of(choice, 0, body.echo, 0)
             out.append({"index": choice.index, "text": text, "logprobs": logprobs,
                         "finish_reason": choice.finish_reason})
-        return {**head, "choices": out, "usage": usage(),
-                "speculative": p.speculative([c.spec for c in choices])}
+        return {**head, "choices": out, **server.totals(generation, num_prompt_tokens)}
 
     offsets = [0] * len(choices)
     echoed = [not body.echo] * len(choices)
@@ -341,8 +344,8 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
         item = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
         return {**head, "choices": [item], **({"usage": None} if body.include_usage else {})}
 
-    last = (lambda: {**head, "choices": [], "usage": usage(),
-                     "speculative": p.speculative([c.spec for c in choices])}) if body.include_usage else None
+    last = (lambda: {**head, "choices": [], **server.totals(generation, num_prompt_tokens)}) \
+        if body.include_usage else None
     return server.stream(generation, [], chunk, last)
 
 
@@ -356,13 +359,11 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:   # as much as the context leaves (at least 1, so a full prompt gets the context error)
         max_tokens = max(1, server.engine.max_model_len - len(prompt))
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    try:
-        params = server.sampling_params(body, max_tokens=max_tokens,
-                                        logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    except p.APIError as exc:
-        exc.param = param if exc.param == "max_tokens" else exc.param
-        raise
+    elif max_tokens < 1:
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise p.APIError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
+    params = server.sampling_params(body, max_tokens=max_tokens,
+                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     request_id = p.new_id("chatcmpl")
     choices = server.choices([prompt], params, body, request_id)
     generation = await server.start(choices, "messages")
@@ -371,14 +372,11 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     def logprobs_of(choice: Choice, start: int) -> dict | None:
         return p.chat_logprobs(choice.logprobs[start:], server.token_str) if body.logprobs else None
 
-    def usage() -> dict[str, int]:
-        return p.usage(len(prompt), generation.num_completion_tokens)
-
     if not body.stream:
         await server.run(generation, request)
         out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs_of(c, 0), "finish_reason": c.finish_reason} for c in choices]
-        return {**head, "choices": out, "usage": usage(), "speculative": p.speculative([c.spec for c in choices])}
+        return {**head, "choices": out, **server.totals(generation, len(prompt))}
 
     head = {**head, "object": "chat.completion.chunk"}
     usage_field = {"usage": None} if body.include_usage else {}
@@ -392,6 +390,5 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
                 "logprobs": logprobs_of(choice, start), "finish_reason": choice.finish_reason}
         return {**head, "choices": [item], **usage_field}
 
-    last = (lambda: {**head, "choices": [], "usage": usage(),
-                     "speculative": p.speculative([c.spec for c in choices])}) if body.include_usage else None
+    last = (lambda: {**head, "choices": [], **server.totals(generation, len(prompt))}) if body.include_usage else None
     return server.stream(generation, first, chunk, last)
