@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,8 +10,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from engine.attention import AttentionMetadata
-from engine.models import SUPPORTED_ARCHITECTURES, load_hf_config, load_model
-from helpers import make_tiny_checkpoint
+from engine.models import SUPPORTED_ARCHITECTURES, CausalLM, load_hf_config, load_model
+from engine.models.llama import rope_inverse_frequencies
+from helpers import make_tiny_checkpoint, make_tiny_config
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -230,3 +232,34 @@ def test_bfloat16_load(reference_checkpoint):
     (out,) = run_pass(model, [kv.bfloat16() for kv in new_kv_caches(model)], [(tokens, 0, BLOCK_TABLES[0])])
     assert out.dtype == torch.float32
     assert (out - logits_of(fp32_model, tokens)).abs().max().item() < 0.05
+
+
+def test_yarn_rope_parity(tmp_path):
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    path = make_tiny_checkpoint(tmp_path / "yarn", arch="qwen2", seed=5, rope_parameters=yarn)
+    ours = load_model(str(path), torch.float32, CPU)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = random_tokens(24, seed=9)
+    assert_close(logits_of(ours, tokens), reference_logits(ref, tokens))
+
+
+def test_unsupported_rope_type(tmp_path):
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    path = make_tiny_checkpoint(tmp_path / "dyn", arch="llama", rope_parameters=dynamic)
+    with pytest.raises(ValueError, match="dynamic"):
+        load_model(str(path), torch.float32, CPU)
+
+
+def test_legacy_rope_theta_attribute():
+    """Configs without rope_parameters (transformers < 5) give theta through config.rope_theta."""
+    inv_freq, scaling = rope_inverse_frequencies(SimpleNamespace(rope_theta=500000.0), head_dim=16)
+    assert scaling == 1.0
+    assert torch.equal(inv_freq, 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16)))
+
+
+def test_direct_construction_runs():
+    """CausalLM(config) outside the loader gets real buffers and random weights."""
+    model = CausalLM(make_tiny_config("qwen3", num_layers=1)).eval()
+    assert not model.model.rotary_emb.cos_sin_cache.is_meta
+    out = logits_of(model, random_tokens(5, seed=10))
+    assert out.shape == (5, model.vocab_size) and torch.isfinite(out).all()

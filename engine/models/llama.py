@@ -49,33 +49,47 @@ class FusedLinear(nn.Linear):
             offset += size
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm like Hugging Face's: normalise in fp32, round to the input dtype, then scale.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, inv_size: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, round to x's dtype, then scale by weight.
 
-    With `residual`, first adds it (the pre-norm residual stream) and returns
+    mean(x^2) is taken as |x|^2 / n from one vector_norm, and eps is a 0-dim fp32
+    tensor so that `|x|^2 / n + eps` is one addcmul: at decode sizes on CPU,
+    where dispatch overhead dominates, this costs about half of F.rms_norm."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    inv_rms = torch.rsqrt(torch.addcmul(eps, norm, norm, value=inv_size))
+    return weight * (x * inv_rms).to(x.dtype)  # x * (fp32 [..., 1]) is computed in fp32
+
+
+class RMSNorm(nn.Module):
+    """With `residual`, first adds it (the pre-norm residual stream) and returns
     (normed, new_residual), saving the decoder layer a separate step."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.inv_size = 1.0 / size
+        self.register_buffer("eps_tensor", torch.full((), eps, dtype=torch.float32), persistent=False)
+
+    def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.eps_tensor = torch.full((), self.eps, dtype=torch.float32, device=device)  # fp32 whatever dtype is
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = residual = x + residual
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        normed = self.weight * normed
-        return normed if residual is None else (normed, residual)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps_tensor, self.inv_size)
+        x = x + residual
+        return rms_norm(x, self.weight, self.eps_tensor, self.inv_size), x
 
 
-def _rope_parameters(config) -> tuple[str, float]:
-    """(rope_type, rope_theta) from a transformers-5 `rope_parameters` dict or the older
-    `rope_theta` / `rope_scaling` attributes."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type")
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    return rope_type or "default", float(theta if theta is not None else 10000.0)
+def _rope_parameters(config) -> dict:
+    """RoPE settings from a transformers-5 `rope_parameters` dict or from the older
+    `rope_theta` / `rope_scaling` attributes, as one dict with rope_type and rope_theta."""
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.update(getattr(config, "rope_parameters", None) or {})
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    return params
 
 
 # RoPE variants whose frequencies do not depend on the running sequence length.
@@ -84,19 +98,20 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def rope_inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling), computed exactly as transformers does."""
-    rope_type, theta = _rope_parameters(config)
+    params = _rope_parameters(config)
+    rope_type = params["rope_type"]
+    partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
     if rope_type == "default":
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-        return 1.0 / (theta ** exponent), 1.0
+        return 1.0 / (float(params["rope_theta"]) ** exponent), 1.0
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    if inv_freq.numel() * 2 != head_dim:
-        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {inv_freq.numel() * 2}, "
-                         f"head_dim {head_dim})")
-    return inv_freq.float(), float(attention_scaling)
+    return inv_freq.float(), float(attention_scaling or 1.0)
 
 
 class RotaryEmbedding(nn.Module):
@@ -112,10 +127,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.register_buffer("cos_sin_cache", torch.empty(max_positions, 2, 1, head_dim), persistent=False)
-        if not self.cos_sin_cache.is_meta:
-            self.build_cache(self.cos_sin_cache.device, self.cos_sin_cache.dtype)
 
-    def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
+    def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
         """(Re)compute the cache in fp32 on the CPU, then store it in the model's dtype."""
         inv_freq, attention_scaling = rope_inverse_frequencies(self.config, self.head_dim)
         positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
@@ -135,7 +148,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] -> rotated [T, H, D]."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class Attention(nn.Module):
@@ -159,17 +172,15 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (H_q + 2 H_kv) * D]
-        qk_size = self.q_size + self.kv_size
-        value = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            query = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            key = self.k_norm(qkv[:, self.q_size: qk_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
-        else:  # rotate queries and keys in one go: they are adjacent heads of qkv
-            qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim),
-                            cos, sin)
-            query, key = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk, value = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)
+        if self.qk_norm:  # Qwen3: per-head RMSNorm, q_norm on query heads, k_norm on key heads, in one call
+            weight = torch.cat((self.q_norm.weight.expand(self.num_heads, self.head_dim),
+                                self.k_norm.weight.expand(self.num_kv_heads, self.head_dim)))
+            qk = rms_norm(qk, weight, self.q_norm.eps_tensor, self.q_norm.inv_size)
+        # Queries and keys are adjacent heads of qkv: rotate them in one go.
+        query, key = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(query, key, value, kv_cache, meta, self.scale)  # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -179,10 +190,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], ["gate_proj", "up_proj"], bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:])
 
 
 class DecoderLayer(nn.Module):
@@ -263,6 +275,15 @@ class CausalLM(nn.Module):
         self.model = LlamaModel(config, self.head_dim, architecture_flags(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        weight = self.lm_head.weight
+        if not weight.is_meta:  # built on the meta device, the loader calls init_buffers after loading
+            self.init_buffers(weight.device, weight.dtype)
+
+    def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
+        """(Re)build the derived, non-checkpoint buffers (RoPE cache, norm eps) on device."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers(device, dtype)
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:

@@ -80,7 +80,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
     with torch.device("meta"):
         model = model_cls(config)
     load_weights(model, files, dtype, device)
-    model.model.rotary_emb.build_cache(device, dtype)
+    model.init_buffers(device, dtype)
     return model.eval()
 
 
