@@ -42,8 +42,11 @@ class AttentionMetadata:
     max_seq_len: int
     use_flash: bool
     # Torch path only, built once per pass so layers do no index arithmetic:
+    block_ids: torch.Tensor | None        # [B * max_blocks] int64 (int32 indexing is ~100x slower on CPU)
     query_pad_index: torch.Tensor | None  # [T] int64 into the padded [B * max_query_len] queries (None: all q_len 1)
-    attn_mask: torch.Tensor | None        # [B, 1, max_query_len, max_blocks * block_size] bool, True = attend
+    attn_mask: torch.Tensor | None        # [B, 1, max_query_len, max_seq_len] bool, True = attend;
+                                          # None: one sequence, whose queries need no mask or a plain causal one
+    causal: bool = False                  # with attn_mask None: queries are the whole sequence
 
     @property
     def num_seqs(self) -> int:
@@ -72,11 +75,17 @@ class AttentionMetadata:
         np.cumsum(s_lens, out=s_start[1:])
         max_q = int(q_lens.max())
 
-        pad_index = mask = None
+        block_ids = pad_index = mask = None
+        causal = False
         if not use_flash:
+            block_ids = torch.from_numpy(table.reshape(-1)).to(device)
             if max_q > 1:
                 pad_index = torch.from_numpy(seq_idx * max_q + (np.arange(len(seq_idx)) - q_start[seq_idx])).to(device)
-            mask = _causal_paged_mask(q_lens, s_lens, max_q, max_blocks * block_size, device)
+            single = num_seqs == 1 and (max_q == 1 or max_q == s_lens[0])
+            if single:
+                causal = max_q > 1
+            else:
+                mask = _causal_paged_mask(q_lens, s_lens, max_q, int(s_lens.max()), device)
 
         as_i32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)
         return cls(
@@ -88,8 +97,10 @@ class AttentionMetadata:
             max_query_len=max_q,
             max_seq_len=int(s_lens.max()),
             use_flash=use_flash,
+            block_ids=block_ids,
             query_pad_index=pad_index,
             attn_mask=mask,
+            causal=causal,
         )
 
 
@@ -132,11 +143,15 @@ def _torch_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     num_seqs, max_q = meta.num_seqs, meta.max_query_len
     num_heads, head_dim = query.shape[1], query.shape[2]
-    # Gather each sequence's pages into a contiguous [B, H_kv, max_kv, D] view.
+    # Gather each sequence's pages into a contiguous [B, H_kv, max_seq_len, D] view.
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     max_kv = meta.block_tables.shape[1] * block_size
-    keys = kv_cache[0][meta.block_tables].view(num_seqs, max_kv, num_kv_heads, head_dim).transpose(1, 2)
-    values = kv_cache[1][meta.block_tables].view(num_seqs, max_kv, num_kv_heads, head_dim).transpose(1, 2)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        pages = cache.index_select(0, meta.block_ids).view(num_seqs, max_kv, num_kv_heads, head_dim)
+        return pages[:, :meta.max_seq_len].transpose(1, 2)
+
+    keys, values = gather(kv_cache[0]), gather(kv_cache[1])
 
     if meta.query_pad_index is None:  # every sequence has one query token: no padding needed
         padded = query.view(num_seqs, 1, num_heads, head_dim)
@@ -145,7 +160,7 @@ def _torch_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         padded[meta.query_pad_index] = query
         padded = padded.view(num_seqs, max_q, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2), keys, values, attn_mask=meta.attn_mask, scale=scale,
+        padded.transpose(1, 2), keys, values, attn_mask=meta.attn_mask, is_causal=meta.causal, scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )  # [B, H_q, max_q, D]
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)

@@ -25,11 +25,13 @@ class CompletionOutput:
 class LLM:
     """Synchronous front end over the engine; the tokenizer lives here, not in the engine."""
 
-    def __init__(self, model: str, dtype: str = "auto", tokenizer: str | None = None, **engine_options):
+    def __init__(self, model: str, dtype: str = "auto", tokenizer: str | None = None,
+                 skip_tokenizer_init: bool = False, **engine_options):
+        """skip_tokenizer_init: token-id prompts only and no output text (checkpoints without a tokenizer)."""
         from transformers import AutoTokenizer
 
         self.engine = Engine(EngineConfig(model=model, dtype=dtype, **engine_options))
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
+        self.tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(tokenizer or model)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -61,7 +63,8 @@ class LLM:
                     if delta.finish_reason == "error":
                         raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
                     out.finish_reason = delta.finish_reason
-                    out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                    if self.tokenizer is not None:
+                        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
                     if progress:
                         progress.update(1)
         if progress:
@@ -70,6 +73,8 @@ class LLM:
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: this LLM was created with skip_tokenizer_init")
             return self.tokenizer.encode(prompt)
         return list(prompt)
 

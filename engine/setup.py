@@ -49,11 +49,18 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.bfloat16   # fast on CPUs with bf16 units; fp32 stays available for exactness
+    if device.type == "cpu":   # bf16 only where the CPU computes it natively (AVX512-BF16 / AMX)
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     configured = _DTYPES.get(str(configured).replace("torch.", ""), torch.bfloat16)
     return configured if configured != torch.float32 else torch.bfloat16
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
