@@ -234,7 +234,6 @@ def export_model(model, out_dir: Path, tokenizer_dir: Path | None, dtype: torch.
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     clone = copy.deepcopy(model).to(dtype)
-    clone.config.torch_dtype = dtype
     clone.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, out_dir)

@@ -147,7 +147,7 @@ def train(args) -> dict:
     if args.resume and (ckpt_dir / "state.json").exists():
         from transformers import LlamaForCausalLM
 
-        model = LlamaForCausalLM.from_pretrained(ckpt_dir, torch_dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32)
     else:
         model = build_llama(tok.get_vocab_size(), args.hidden, args.layers, args.heads, args.kv_heads,
                             args.intermediate, args.max_positions, tok.token_to_id("<|endoftext|>"),

@@ -1,0 +1,152 @@
+"""specserve distill on tiny random models: the loss drops, acceptance rises,
+runs resume from their checkpoint, and bad inputs fail with clear messages."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from train import distill as distill_mod
+from train.distill import DistillConfig, distill, expected_tokens_per_step, main
+from train.tokenizer import save_tokenizer, train_tokenizer
+
+WORDS = ["def", "return", "self", "value", "index", "None", "for", "in", "if", "else", "import",
+         "class", "print", "range", "len", "items", "key", "data", "result", "True", "False"]
+
+
+def write_corpus(root, num_files=12, lines=60, seed=0):
+    """Small synthetic Python-like corpus, deterministic."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(num_files):
+        body = []
+        for _ in range(lines):
+            a, b, c = rng.sample(WORDS, 3)
+            body.append(rng.choice([f"def {a}_{b}({c}):", f"    return {a}.{b}({c})",
+                                    f"    {a} = {b}[{c}]", f"for {a} in {b}:", f"    if {a}: {b}({c})"]))
+        (root / f"mod{i:02d}.py").write_text("\n".join(body) + "\n")
+    return root
+
+
+def make_tiny_target(path, corpus_dir, vocab_size=320, hidden=64, layers=2, seed=0):
+    """A random tiny Llama checkpoint with a byte-level BPE tokenizer trained on the corpus."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = train_tokenizer(sorted(corpus_dir.glob("*.py")), vocab_size)
+    save_tokenizer(tok, path, model_max_length=512)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper random logits, so the target has a clear argmax to imitate
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    corpus = write_corpus(root / "corpus")
+    target = make_tiny_target(root / "target", corpus)
+    return root, corpus, target
+
+
+def tiny_cfg(root, corpus, target, out, **overrides):
+    base = dict(target=str(target), corpus=[str(corpus)], out=str(out), draft_layers=1, draft_hidden=32,
+                draft_heads=2, draft_kv_heads=1, steps=40, batch_size=8, seq_len=32, lr=1e-2, warmup=4,
+                eval_windows=16, held_out_every=4, precision="fp32", threads=1, ckpt_every=10,
+                progress=False, seed=0)
+    base.update(overrides)
+    return DistillConfig(**base)
+
+
+def test_distill_lowers_kl_and_raises_acceptance(setup):
+    root, corpus, target = setup
+    out = root / "run"
+    stats = distill(tiny_cfg(root, corpus, target, out), log=lambda *_: None)
+    before, after = stats["before"], stats["after"]
+    assert after["kl"] < 0.8 * before["kl"]
+    assert after["acceptance"] > before["acceptance"] + 0.1
+    assert after["expected_tokens_per_step"] > before["expected_tokens_per_step"]
+    # the result is a plain HF directory with the target's tokenizer
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "distill_stats.json"):
+        assert (out / name).exists(), name
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    draft = AutoModelForCausalLM.from_pretrained(out)
+    assert draft.config.vocab_size == AutoModelForCausalLM.from_pretrained(target).config.vocab_size
+    assert AutoTokenizer.from_pretrained(out).eos_token_id == 0
+
+
+def test_resume_continues_from_checkpoint(setup):
+    root, corpus, target = setup
+    full = distill(tiny_cfg(root, corpus, target, root / "full", steps=20), log=lambda *_: None)
+    # interrupted after 10 of 20 steps, then resumed: same batches (seeded per step), same result
+    partial_dir = root / "partial"
+    stopped = distill(tiny_cfg(root, corpus, target, partial_dir, steps=20, stop_at=10), log=lambda *_: None)
+    assert stopped["stopped"] and not (partial_dir / "model.safetensors").exists()
+    state = json.loads((partial_dir / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 10
+    messages = []
+    resumed = distill(tiny_cfg(root, corpus, target, partial_dir, steps=20, resume=True), log=messages.append)
+    assert any("resumed" in m and "step 10" in m for m in messages)
+    assert resumed["steps"] == 20 and resumed["train_tokens"] == full["train_tokens"]
+    assert resumed["before"] == full["before"]
+    assert resumed["after"]["kl"] == pytest.approx(full["after"]["kl"], rel=1e-3)
+    assert resumed["after"]["acceptance"] == pytest.approx(full["after"]["acceptance"], abs=0.01)
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.5, 4) == pytest.approx(1.9375)
+
+
+def _fails(argv, capsys=None):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return str(info.value)
+
+
+def test_missing_corpus_is_a_clear_error(setup, tmp_path):
+    root, corpus, target = setup
+    msg = _fails(["--target", str(target), "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert "corpus path does not exist" in msg
+
+
+def test_empty_corpus_is_a_clear_error(setup, tmp_path):
+    root, corpus, target = setup
+    (tmp_path / "empty").mkdir()
+    msg = _fails(["--target", str(target), "--corpus", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
+    assert "corpus is empty" in msg
+
+
+def test_missing_target_is_a_clear_error(setup, tmp_path):
+    root, corpus, target = setup
+    msg = _fails(["--target", str(tmp_path / "no-model"), "--corpus", str(corpus), "--out", str(tmp_path / "o")])
+    assert "target checkpoint not found" in msg
+
+
+def test_draft_with_other_vocab_is_a_clear_error(setup, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root, corpus, target = setup
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    other.save_pretrained(tmp_path / "other")
+    msg = _fails(["--target", str(target), "--corpus", str(corpus), "--out", str(tmp_path / "o"),
+                  "--draft", str(tmp_path / "other")])
+    assert "vocab size 500 differs" in msg
+
+
+def test_unknown_target_type_is_rejected(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(distill_mod.TrainError, match="not supported"):
+        distill_mod.load_target(str(tmp_path / "t"))
