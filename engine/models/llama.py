@@ -292,6 +292,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, hidden_size]; writes this pass's K/V into kv_caches."""
+        if len(kv_caches) != self.num_layers:  # zip() in the layer loop would silently skip layers
+            raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
