@@ -59,11 +59,14 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def corpus_files(paths: list[str | Path], pattern: str | None = None) -> list[Path]:
+def corpus_files(paths: list[str | Path], pattern: str | None = None,
+                 exclude: list[str] | None = None) -> list[Path]:
     """Expand files and directories into a sorted list of text files.
 
     A directory contributes every file matching ``pattern`` (default: all
-    files, skipping hidden ones and obvious binaries) below it."""
+    files, skipping hidden ones and obvious binaries) below it, except those
+    with a path component named in ``exclude`` (e.g. site-packages)."""
+    skip = set(exclude or ())
     if not paths:
         raise TrainError("no corpus given: pass one or more text files or directories")
     files: list[Path] = []
@@ -76,7 +79,8 @@ def corpus_files(paths: list[str | Path], pattern: str | None = None) -> list[Pa
             continue
         found = sorted(path.rglob(pattern or "*"))
         for f in found:
-            if not f.is_file() or any(part.startswith(".") for part in f.relative_to(path).parts):
+            parts = f.relative_to(path).parts
+            if not f.is_file() or any(part.startswith(".") or part in skip for part in parts):
                 continue
             if pattern is None and f.suffix in {".pyc", ".so", ".bin", ".safetensors", ".npy", ".pt"}:
                 continue

@@ -73,6 +73,7 @@ class DistillConfig:
     draft_intermediate: int | None = None  # default: about 8/3 x hidden, rounded to 32
     init_embeddings: str = "pca"  # new draft: "pca" of the target's embeddings, or "random"
     pattern: str | None = None  # glob for files inside corpus directories
+    exclude: list[str] | None = None  # skip files below directories with these names
     steps: int = 200
     batch_size: int = 8
     seq_len: int = 256
@@ -188,7 +189,7 @@ def load_or_create_draft(cfg: DistillConfig, target, ckpt_dir: Path):
 
 def load_corpus(cfg: DistillConfig, out_dir: Path, eos_id: int) -> tuple[np.ndarray, np.ndarray, dict]:
     """Tokenize the corpus with the target's tokenizer (cached in <out>/data)."""
-    files = corpus_files(cfg.corpus, cfg.pattern)
+    files = corpus_files(cfg.corpus, cfg.pattern, cfg.exclude)
     train_files, held_files = split_files(files, cfg.held_out_every)
     tok_json = Path(cfg.target) / "tokenizer.json"
     key = hashlib.sha256()
@@ -354,7 +355,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         raise TrainError(f"unknown save dtype {cfg.save_dtype!r} ({', '.join(SAVE_DTYPES)})")
     out_dir, ckpt_dir = Path(cfg.out), Path(cfg.out) / "checkpoint"
     bf16 = resolve_precision(cfg.precision, torch.device("cpu"))
-    corpus_files(cfg.corpus, cfg.pattern)  # fail on a missing / empty corpus before loading models
+    corpus_files(cfg.corpus, cfg.pattern, cfg.exclude)  # fail on a missing / empty corpus before loading models
     target = load_target(cfg.target)
     draft = load_or_create_draft(cfg, target, ckpt_dir)
     train_tokens, held_tokens, data_meta = load_corpus(cfg, out_dir, eos_token_id(target))
@@ -433,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target Hugging Face model directory")
     p.add_argument("--corpus", nargs="+", required=True, help="text files and/or directories")
     p.add_argument("--pattern", default=None, help="glob for files inside corpus directories, e.g. '*.py'")
+    p.add_argument("--exclude", nargs="*", default=None, help="skip directories with these names")
     p.add_argument("--out", required=True, help="output directory (final draft + checkpoint/)")
     p.add_argument("--draft", default=None, help="existing draft checkpoint to start from")
     p.add_argument("--draft-layers", type=int, default=d.draft_layers)
