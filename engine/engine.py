@@ -223,7 +223,7 @@ class Engine:
             method=self.method, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.pool.usage, batch_size=len(batch.scheduled),
             num_batched_tokens=sum(s.num_new_tokens for s in batch.scheduled) + num_draft_tokens,
-            num_preemptions=len(batch.preempted), num_prompt_tokens=batch.num_prompt_tokens,
+            num_preemptions=len(batch.preempted), num_prompt_tokens=_first_token_prompts(outputs),
             num_generation_tokens=sum(len(o.new_token_ids) for o in outputs),
             num_drafts=len(accepted_lengths), num_draft_tokens=num_draft_tokens,
             num_accepted_tokens=sum(accepted_lengths), num_target_forwards=num_decode,
@@ -232,3 +232,9 @@ class Engine:
             plain_step_time_s=self.step_timer.estimate(num_decode) if num_decode else None,
             finished_reasons=tuple(o.finish_reason for o in outputs if o.finished),
         )
+
+
+def _first_token_prompts(outputs: list[RequestOutput]) -> int:
+    """Prompt tokens of the requests that got their first token this step (each prompt counted once,
+    whatever prefix caching or recomputation after preemption did)."""
+    return sum(o.num_prompt_tokens for o in outputs if o.new_token_ids and o.num_output_tokens == len(o.new_token_ids))

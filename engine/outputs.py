@@ -54,7 +54,7 @@ class StepStats:
     batch_size: int                   # requests that ran in this step
     num_batched_tokens: int           # tokens fed to the target this step
     num_preemptions: int
-    num_prompt_tokens: int            # prompt tokens computed this step (prefill)
+    num_prompt_tokens: int            # prompt tokens of requests that got their first token this step
     num_generation_tokens: int        # tokens emitted to requests this step
     num_drafts: int                   # requests that verified >= 1 draft token
     num_draft_tokens: int

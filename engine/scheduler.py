@@ -38,10 +38,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
-
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,

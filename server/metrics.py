@@ -127,7 +127,7 @@ class _SpecWindow:
     def add(self, stats: StepStats) -> None:
         if stats.num_draft_tokens > 0:
             self._push(self.accept, self.accept_sums, (stats.num_draft_tokens, stats.num_accepted_tokens))
-        pure_decode = stats.num_target_forwards > 0 and stats.num_prompt_tokens == 0
+        pure_decode = 0 < stats.num_target_forwards == stats.batch_size   # no prefill work in this step
         if pure_decode and stats.plain_step_time_s is not None:
             # Each request in a verify pass gains its accepted drafts plus one target token.
             emitted = stats.num_accepted_tokens + stats.num_target_forwards
