@@ -8,7 +8,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
-from engine.outputs import RequestOutput, StepStats
+from engine.outputs import RequestOutput, RequestTiming, SpecTotals, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -39,7 +39,7 @@ class Engine:
         self.step_timer = parts.step_timer
         self.requests: dict[str, Request] = {}
         self.last_stats: StepStats | None = None
-        self.num_steps = 0
+        self.totals = SpecTotals()
         self._next_seed = config.seed
 
     @property
@@ -106,7 +106,7 @@ class Engine:
             return self._fail(batch, exc)
         outputs = self._update(batch, proposal, result)
         self.last_stats = self._stats(batch, proposal, result, t1 - t0, t2 - t1, outputs)
-        self.num_steps += 1
+        self.totals.add(self.last_stats)
         return outputs
 
     # ---- update: bookkeeping only ------------------------------------------------
@@ -173,7 +173,6 @@ class Engine:
         self.pool.cache_full_blocks(request.block_table, request.block_hashes, request.token_ids, final)
 
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
-        from engine.outputs import RequestTiming
         prompt_logprobs = None
         if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True

@@ -66,3 +66,35 @@ class StepStats:
     verify_time_s: float              # target forward + rejection sampling
     plain_step_time_s: float | None   # estimate of a plain decode step at this batch size (None: unknown yet)
     finished_reasons: tuple[str, ...] = ()   # finish reasons of requests that ended this step
+
+
+@dataclass
+class SpecTotals:
+    """Running totals since start-up: what an operator asks first is whether speculation pays."""
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_target_forwards: int = 0
+    num_generation_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    def add(self, stats: StepStats) -> None:
+        self.num_steps += 1
+        self.num_drafts += stats.num_drafts
+        self.num_draft_tokens += stats.num_draft_tokens
+        self.num_accepted_tokens += stats.num_accepted_tokens
+        self.num_target_forwards += stats.num_target_forwards
+        self.num_generation_tokens += stats.num_generation_tokens
+        if len(self.accepted_per_position) < len(stats.accepted_per_position):
+            self.accepted_per_position += [0] * (len(stats.accepted_per_position) - len(self.accepted_per_position))
+        for i, n in enumerate(stats.accepted_per_position):
+            self.accepted_per_position[i] += n
+        self.draft_time_s += stats.draft_time_s
+        self.verify_time_s += stats.verify_time_s
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None

@@ -50,6 +50,7 @@ def generate(config: EngineConfig, prompts, params):
                 finals[out.request_id] = out
     engine.pool.check_invariants()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    generate.last_engine = engine
     return [tokens[str(i)] for i in range(len(prompts))], [finals[str(i)] for i in range(len(prompts))]
 
 
@@ -118,6 +119,11 @@ def test_acceptance_counts_with_copy_draft(paths, prompts, gamma):
         assert f.spec.proposed == f.spec.accepted == rounds * gamma
         assert f.spec.target_forwards == rounds
         assert (len(t) - 1) / f.spec.target_forwards == gamma + 1   # the first token comes from prefill
+    totals = generate.last_engine.totals
+    assert totals.acceptance_rate == 1.0
+    assert totals.num_draft_tokens == sum(f.spec.proposed for f in finals)
+    assert totals.num_target_forwards == sum(f.spec.target_forwards for f in finals)
+    assert totals.accepted_per_position == [rounds * len(prompts)] * gamma
 
 
 def test_bad_speculative_configs_fail_at_start_up(paths, tmp_path):
