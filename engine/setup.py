@@ -79,7 +79,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     hf_config = load_hf_config(config.model)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    use_flash = flash_available(device)
+    use_flash = flash_available(device) and dtype != torch.float32   # flash-attn has no fp32 kernels
     block_size = config.block_size or (FLASH_BLOCK_SIZE if use_flash else 16)
     if use_flash and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")

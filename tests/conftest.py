@@ -115,3 +115,15 @@ class InProcessServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests need CUDA: skip them, with the reason, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
