@@ -6,7 +6,9 @@ alpha by construction; a small random draft model runs alongside it so drafting 
 what a real draft costs. For alpha in {0.5, 0.7, 0.9} it prints, side by side in one run:
 measured speedup over our own autoregressive decoding, tokens per target forward, the
 theoretical speedup S = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma*c + 1)) with c the
-measured draft/target step cost ratio, and measured / theoretical. Then the same for
+measured draft/target step cost ratio, and measured / theoretical; also theory_v, the same
+formula with the measured cost v of a verification pass in place of 1 (on CPUs whose small-batch
+matmuls are compute-bound, verifying gamma + 1 tokens costs several decode steps). Then the same for
 transformers' assisted generation (assistant_model= and prompt_lookup_num_tokens=).
 
     python bench/bench_spec.py [--gamma 4] [--new-tokens 64] [--dtype auto]
@@ -35,8 +37,8 @@ class OracleProposer:
     each token corrupted with probability 1 - alpha."""
     method = "draft"
 
-    def __init__(self, draft, continuation: list[int], prompt_len: int, alpha: float, seed: int = 0):
-        self.draft, self.continuation, self.prompt_len = draft, continuation, prompt_len
+    def __init__(self, draft, continuation: list[int], prompt_len: int, alpha: float, vocab: int, seed: int = 0):
+        self.draft, self.continuation, self.prompt_len, self.vocab = draft, continuation, prompt_len, vocab
         self.alpha, self.rng = alpha, random.Random(seed)
 
     def propose(self, scheduled) -> Proposal:
@@ -45,22 +47,25 @@ class OracleProposer:
         for item, tokens in zip(scheduled, real.draft_token_ids):
             start = item.request.num_tokens - self.prompt_len
             truth = self.continuation[start:start + len(tokens)]
-            drafts.append([t if self.rng.random() < self.alpha else (t + 1) % 32000 for t in truth])
+            drafts.append([t if self.rng.random() < self.alpha else (t + 1) % self.vocab for t in truth])
         return Proposal(drafts, None)
 
 
-def step_cost_ratio(llm: LLM, repeats: int = 20) -> float:
-    """c = (one draft decode forward) / (one target decode forward), batch 1, short context."""
+def step_costs(llm: LLM, gamma: int, repeats: int = 20) -> tuple[float, float]:
+    """Batch 1, short context, relative to one target decode forward:
+    c = one draft decode forward; v = one target forward verifying gamma drafts (gamma + 1 tokens)."""
     engine = llm.engine
     table = []
     engine.pool.allocate(table, 64)
 
-    def one(runner):
-        return lambda: runner.forward([ForwardItem([5], 40, table, 1)])
-    target = timed(lambda: [one(engine.target)() for _ in range(repeats)])
-    draft = timed(lambda: [one(engine.proposer.runner)() for _ in range(repeats)])
+    def run(runner, num_tokens: int):
+        item = ForwardItem([5] * num_tokens, 40, table, num_tokens)
+        return timed(lambda: [runner.forward([item]) for _ in range(repeats)])
+    target = run(engine.target, 1)
+    draft = run(engine.proposer.runner, 1)
+    verify = run(engine.target, gamma + 1)
     engine.pool.free(table)
-    return draft / target
+    return draft / target, verify / target
 
 
 def run_ours(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[int], int]:
@@ -104,9 +109,9 @@ def main(argv=None) -> None:
 
     target_path = random_llama(args.model_dir)
     draft_path = random_llama(args.draft_dir, seed=1, **{k: v for k, v in SMALL_DRAFT.items()})
-    prompt = torch.randint(3, 32000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
-
     plain = LLM(target_path, dtype=args.dtype, skip_tokenizer_init=True)
+    vocab = plain.engine.vocab_size
+    prompt = torch.randint(3, vocab, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     run_ours(plain, prompt, args.new_tokens)   # warm-up
     plain_s, continuation, _ = run_ours(plain, prompt, args.new_tokens)
     print(f"plain decoding (ours): {args.new_tokens / plain_s:.2f} tok/s, "
@@ -116,19 +121,22 @@ def main(argv=None) -> None:
     spec = LLM(target_path, dtype=args.dtype, skip_tokenizer_init=True,
                speculative={"method": "draft", "model": draft_path, "num_speculative_tokens": args.gamma})
     real_draft = spec.engine.proposer
-    c = step_cost_ratio(spec)
     g = args.gamma
-    print(f"draft/target step cost c = {c:.3f}, gamma = {g}")
-    print(f"{'alpha':>5} {'tok/fwd':>8} {'measured':>9} {'theory':>7} {'ratio':>6}")
+    c, v = step_costs(spec, g)
+    print(f"gamma = {g}; draft/target step cost c = {c:.3f}; verifying {g + 1} tokens costs v = {v:.2f} "
+          f"plain decode steps (the theory assumes 1)")
+    print(f"{'alpha':>5} {'tok/fwd':>8} {'measured':>9} {'theory':>7} {'ratio':>6} {'theory_v':>9} {'ratio_v':>8}")
     for alpha in (float(a) for a in args.alphas.split(",")):
-        spec.engine.proposer = OracleProposer(real_draft, continuation, len(prompt), alpha)
+        spec.engine.proposer = OracleProposer(real_draft, continuation, len(prompt), alpha, vocab)
         run_ours(spec, prompt, args.new_tokens)   # warm-up
         seconds, tokens, forwards = run_ours(spec, prompt, args.new_tokens)
         assert tokens == continuation, "speculative output must equal plain greedy output"
         measured = plain_s / seconds
-        theory = (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1))
+        expected_tokens = (1 - alpha ** (g + 1)) / (1 - alpha)
+        theory = expected_tokens / (g * c + 1)
+        theory_v = expected_tokens / (g * c + v)   # with the measured cost of a verification pass
         print(f"{alpha:5.2f} {(len(tokens) - 1) / forwards:8.2f} {measured:8.2f}x {theory:6.2f}x "
-              f"{measured / theory:6.2f}")
+              f"{measured / theory:6.2f} {theory_v:8.2f}x {measured / theory_v:8.2f}")
     if not args.skip_hf:
         hf_assisted(target_path, draft_path, spec.engine.dtype, prompt, args.new_tokens)
 

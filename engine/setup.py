@@ -11,12 +11,16 @@ import torch
 from engine.attention import FLASH_BLOCK_SIZE, flash_available
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
-from engine.model_runner import ForwardItem, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.models.loader import load_hf_config, load_model
-from engine.spec.base import NoProposer, Proposer
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest
+from engine.spec.base import NoProposer, Proposal, Proposer
 from engine.spec.draft_model import DraftModelProposer
 from engine.spec.ngram import NgramProposer
 from engine.step_timer import PlainStepTimer
+from engine.verify import verify
 
 logger = logging.getLogger("specserve.engine")
 
@@ -98,6 +102,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_config, block_size, dtype)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     max_model_len = _max_model_len(config, target_model, draft_model, num_blocks * block_size - spec.gamma)
+    if config.num_kv_blocks is None:   # a budget larger than every sequence at full length is never used
+        blocks_per_seq = -(-(max_model_len + spec.gamma) // block_size)
+        num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
 
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
     target = ModelRunner(target_model, num_blocks, block_size, dtype, device, use_flash)
@@ -135,18 +142,21 @@ def _max_model_len(config: EngineConfig, target, draft, kv_capacity: int) -> int
 
 
 def _calibrate(timer: PlainStepTimer, target: ModelRunner, pool: BlockPool, max_batch: int) -> None:
-    """Time plain decode steps on scratch blocks (context of two blocks per sequence)."""
+    """Time plain greedy decode steps through the real verification path, on scratch blocks."""
     context = 2 * pool.block_size
     max_batch = min(max_batch, pool.num_free_blocks // 2)
-    if max_batch < 1:
-        return
+    params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def decode_step(batch: int) -> None:
-        tables = [[] for _ in range(batch)]
-        for table in tables:
-            pool.allocate(table, context)
-        target.forward([ForwardItem([0], context - 1, table, 1) for table in tables])
-        for table in tables:
-            pool.free(table)
+        scheduled = []
+        for i in range(batch):
+            request = Request(f"calibration-{i}", [0] * context, context - 1, params, arrival_time=0.0,
+                              generator=None, num_computed_tokens=context - 1)
+            pool.allocate(request.block_table, context)
+            scheduled.append(ScheduledRequest.of(request, 1))
+        verify(target, scheduled, Proposal.empty(batch))
+        for item in scheduled:
+            pool.free(item.request.block_table)
 
-    timer.calibrate(decode_step, max_batch)
+    if max_batch >= 1:
+        timer.calibrate(decode_step, max_batch)
