@@ -45,6 +45,8 @@ def parse_args(argv):
     p.add_argument("--config-out", default="configs/default.yaml")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--target-steps", type=int, default=360)
+    p.add_argument("--target-time-min", type=float, default=0.0,
+                   help="train the target for this many minutes (time-based cosine) instead of --target-steps")
     p.add_argument("--target-args", default="", help="extra arguments for train.pretrain, quoted")
     p.add_argument("--draft-steps", type=int, default=300)
     p.add_argument("--draft-layers", type=int, default=2)
@@ -72,12 +74,16 @@ def step_target(args, run_dir: Path) -> dict:
 
     ckpt = run_dir / "target-ckpt"
     state_path = ckpt / "state.json"
-    if state_path.exists() and json.loads(state_path.read_text())["step"] >= args.target_steps:
+    state = json.loads(state_path.read_text()) if state_path.exists() else None
+    if state and (state["train_seconds"] >= 60 * args.target_time_min if args.target_time_min
+                  else state["step"] >= args.target_steps):
         print(f"[2/5] target: done ({ckpt})", flush=True)
     else:
         print("[2/5] target: training (resumes from its checkpoint)", flush=True)
         argv = ["--run-dir", str(run_dir), "--max-steps", str(args.target_steps), "--threads", str(args.threads),
                 "--seed", str(args.seed), "--resume", *args.target_args.split()]
+        if args.target_time_min:
+            argv += ["--time-budget-min", str(args.target_time_min)]
         if pretrain.main(argv) != 0:
             raise TrainError("target pretraining failed")
     return json.loads(state_path.read_text())

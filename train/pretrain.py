@@ -111,6 +111,9 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-steps", type=int, default=360)
+    p.add_argument("--time-budget-min", type=float, default=0.0,
+                   help="train for this many minutes of training time (cosine LR over elapsed time, "
+                        "stops when spent) instead of --max-steps; for shared machines of unknown speed")
     p.add_argument("--lr", type=float, default=2.5e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=30)
@@ -175,9 +178,19 @@ def train(args) -> dict:
     max_steps = args.benchmark or args.max_steps
     step_start = state["step"]
     t_session = time.time()
-    while state["step"] < max_steps:
+    budget_s = 60 * args.time_budget_min
+    if budget_s and not args.benchmark:
+        max_steps = 10**9
+
+    def finished() -> bool:
+        return state["step"] >= max_steps or bool(budget_s and state["train_seconds"] >= budget_s)
+
+    while not finished():
         step = state["step"]
         lr = cosine_lr(step, args.max_steps, args.lr, args.warmup, args.min_lr_ratio)
+        if budget_s and step >= args.warmup:
+            frac = 1000 + int(9000 * state["train_seconds"] / budget_s)  # elapsed fraction, in 1/10000
+            lr = cosine_lr(frac, 10000, args.lr, 1000, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sample_batch(train_tokens, step, args.seed, args.batch_size, args.seq_len).to(device)
@@ -194,21 +207,21 @@ def train(args) -> dict:
         tps = meter.update(n_tok)
         record = {"step": state["step"], "loss": round(loss.item(), 4), "lr": lr,
                   "grad_norm": round(float(grad_norm), 3), "tok_s": round(tps, 1), "tokens": state["tokens"]}
-        if state["step"] % args.eval_every == 0 or state["step"] == max_steps:
+        now = time.time()
+        state["train_seconds"] = state.get("train_seconds", 0.0) + (now - t_session)
+        t_session = now
+        if state["step"] % args.eval_every == 0 or finished():
             if not args.benchmark:
                 record["val_loss"] = round(held_out_loss(model, windows, device, bf16), 4)
                 best = state.get("best_val_loss")
                 state["best_val_loss"] = record["val_loss"] if best is None else min(best, record["val_loss"])
                 state["val_loss"] = record["val_loss"]
-        now = time.time()
-        state["train_seconds"] = state.get("train_seconds", 0.0) + (now - t_session)
-        t_session = now
         if log:
             log.write(json.dumps(record) + "\n")
             log.flush()
         if state["step"] % 10 == 0 or "val_loss" in record:
             print(" ".join(f"{k}={v}" for k, v in record.items()), flush=True)
-        if not args.benchmark and (now - last_ckpt > args.ckpt_minutes * 60 or state["step"] == max_steps):
+        if not args.benchmark and (now - last_ckpt > args.ckpt_minutes * 60 or finished()):
             save_checkpoint(ckpt_dir, model, optimizer, state, tok_dir)
             last_ckpt = now
     if args.benchmark:
