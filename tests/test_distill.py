@@ -150,3 +150,12 @@ def test_unknown_target_type_is_rejected(tmp_path):
     (tmp_path / "t" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(distill_mod.TrainError, match="not supported"):
         distill_mod.load_target(str(tmp_path / "t"))
+
+
+def test_time_budget_run_finishes_and_exports(setup):
+    root, corpus, target = setup
+    out = root / "timed"
+    stats = distill(tiny_cfg(root, corpus, target, out, steps=10**6, time_budget_min=0.02), log=lambda *_: None)
+    assert "stopped" not in stats and 0 < stats["steps"] < 10**6
+    assert stats["train_seconds"] >= 1.2
+    assert (out / "model.safetensors").exists()

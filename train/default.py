@@ -49,6 +49,8 @@ def parse_args(argv):
                    help="train the target for this many minutes (time-based cosine) instead of --target-steps")
     p.add_argument("--target-args", default="", help="extra arguments for train.pretrain, quoted")
     p.add_argument("--draft-steps", type=int, default=300)
+    p.add_argument("--draft-time-min", type=float, default=0.0,
+                   help="distill for this many minutes (time-based cosine) instead of --draft-steps")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--draft-hidden", type=int, default=160)
     p.add_argument("--draft-heads", type=int, default=5)
@@ -113,10 +115,10 @@ def step_draft(args, run_dir: Path, target_dir: Path, models_dir: Path) -> dict:
         draft_kv_heads=args.draft_kv_heads, draft_intermediate=args.draft_intermediate,
         steps=args.draft_steps, batch_size=args.draft_batch_size, seq_len=256, lr=args.draft_lr,
         warmup=20, eval_windows=args.eval_windows, save_dtype="bfloat16", seed=args.seed,
-        threads=args.threads, ckpt_every=25, resume=True,
+        threads=args.threads, ckpt_every=25, resume=True, time_budget_min=args.draft_time_min,
     )
     stats_path = out / "distill_stats.json"
-    if stats_path.exists() and json.loads(stats_path.read_text())["steps"] >= args.draft_steps:
+    if stats_path.exists() and (args.draft_time_min or json.loads(stats_path.read_text())["steps"] >= args.draft_steps):
         stats = json.loads(stats_path.read_text())
     else:
         stats = distill(cfg)

@@ -93,6 +93,7 @@ class DistillConfig:
     threads: int | None = None
     ckpt_every: int = 100  # steps
     resume: bool = False
+    time_budget_min: float = 0.0  # > 0: cosine LR over elapsed training time, stop when spent (not bit-reproducible)
     stop_at: int | None = None  # stop after this step as if interrupted (resume later with resume=True)
     progress: bool = True
 
@@ -338,10 +339,17 @@ def _train_step(target, draft, optimizer, batch: torch.Tensor, cfg: DistillConfi
     return loss.item()
 
 
+def _lr(cfg: DistillConfig, step: int, time_fraction: float | None) -> float:
+    """Warmup then cosine, over steps or (with a time budget) over the elapsed fraction of it."""
+    if time_fraction is None or step < cfg.warmup:
+        return cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+    return cosine_lr(1000 + int(9000 * min(time_fraction, 1.0)), 10000, cfg.lr, 1000, cfg.min_lr_ratio)
+
+
 def _progress(cfg: DistillConfig, start: int):
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, initial=start, desc="distill", unit="step", disable=not cfg.progress,
+    return tqdm(total=None if cfg.time_budget_min else cfg.steps, initial=start, desc="distill", unit="step", disable=not cfg.progress,
                 mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
 
 
@@ -376,11 +384,17 @@ def distill(cfg: DistillConfig, log=print) -> dict:
 
     meter, bar = Throughput(), _progress(cfg, state["step"])
     t0 = time.time()
-    last_step = min(cfg.steps, cfg.stop_at or cfg.steps)
-    while state["step"] < last_step:
+    budget_s = 60 * cfg.time_budget_min
+    steps = 10**9 if budget_s else cfg.steps
+    last_step = min(steps, cfg.stop_at or steps)
+
+    def done() -> bool:
+        return state["step"] >= last_step or bool(budget_s and state["train_seconds"] >= budget_s)
+
+    while not done():
         step = state["step"]
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+            group["lr"] = _lr(cfg, step, state["train_seconds"] / budget_s if budget_s else None)
         batch = sample_batch(train_tokens, step, cfg.seed, cfg.batch_size, cfg.seq_len)
         loss = _train_step(target, draft, optimizer, batch, cfg, bf16)
         n_tok = batch[:, 1:].numel()
@@ -392,10 +406,10 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         t0 = now
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{meter.update(n_tok):.0f}", refresh=False)
         bar.update(1)
-        if state["step"] % cfg.ckpt_every == 0 or state["step"] == last_step:
+        if state["step"] % cfg.ckpt_every == 0 or done():
             save_checkpoint(ckpt_dir, draft, optimizer, state, Path(cfg.target))
     bar.close()
-    if state["step"] < cfg.steps:
+    if state["step"] < steps and not (budget_s and state["train_seconds"] >= budget_s):
         log(f"stopped at step {state['step']} of {cfg.steps}; continue with --resume")
         return {"steps": state["step"], "train_tokens": state["tokens"], "stopped": True, **state}
 
@@ -454,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default=d.save_dtype)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
+    p.add_argument("--time-budget-min", type=float, default=0.0,
+                   help="train for this many minutes (cosine LR over elapsed time) instead of --steps")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (resume later)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
