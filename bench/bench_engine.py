@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import param_bytes_read_per_token, random_llama, read_bandwidth, timed  # noqa: E402
+from common import checkpoint_param_counts, random_llama, read_bandwidth, timed  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -59,13 +59,14 @@ def main(argv=None) -> None:
     path = random_llama(args.model_dir)
     llm = LLM(path, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=16)
     dtype = llm.engine.dtype
-    print(f"model: random Llama, {sum(p.numel() for p in llm.engine.target.model.parameters()) / 1e6:.0f}M params, "
+    num_params, num_streamed = checkpoint_param_counts(path)
+    print(f"model: random Llama, {num_params / 1e6:.0f}M params, "
           f"dtype {str(dtype).replace('torch.', '')} (auto picks bf16 only where the CPU has native bf16), "
           f"{torch.get_num_threads()} threads")
     batch1 = prompts(1, args.prompt_len)
     ours = ours_tokens_per_s(llm, batch1, args.new_tokens, args.repeats)
     theirs = hf_tokens_per_s(path, dtype, batch1[0], args.new_tokens, args.repeats)
-    weight_bytes = param_bytes_read_per_token(path) * (4 if dtype == torch.float32 else 2) // 2
+    weight_bytes = num_streamed * torch.tensor([], dtype=dtype).element_size()
     bandwidth = read_bandwidth()
     bound = bandwidth / weight_bytes
     print(f"batch 1 greedy decode: ours {ours:.2f} tok/s, transformers {theirs:.2f} tok/s, ratio {ours / theirs:.2f}x")

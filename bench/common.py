@@ -24,21 +24,20 @@ def random_llama(path: str, seed: int = 0, **overrides) -> str:
     return path
 
 
-def param_bytes_read_per_token(path: str) -> int:
-    """Bytes of weights a decode step streams: everything but the input embedding (one row is read)."""
+def checkpoint_param_counts(path: str) -> tuple[int, int]:
+    """(all parameters, parameters a decode step streams: all but the input embedding, of which
+    one row is read per token) of a single-file checkpoint."""
+    import math
+
     from safetensors import safe_open
 
-    total = 0
+    total = streamed = 0
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         for name in f.keys():
-            if "embed_tokens" not in name:
-                t = f.get_slice(name)
-                shape = t.get_shape()
-                n = 1
-                for d in shape:
-                    n *= d
-                total += n * 2   # bf16
-    return total
+            n = math.prod(f.get_slice(name).get_shape())
+            total += n
+            streamed += 0 if "embed_tokens" in name else n
+    return total, streamed
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:

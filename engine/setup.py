@@ -12,6 +12,7 @@ from engine.attention import FLASH_BLOCK_SIZE, flash_available
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
+from engine.models.cpu_linear import pack_linears, packed_linear_available
 from engine.models.loader import load_hf_config, load_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -88,14 +89,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if use_flash and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
-    target_model = load_model(config.model, dtype, device)
+    target_model = _load(config.model, dtype, device)
     draft_model = draft_config = None
     if spec.method == "draft":
         draft_config = load_hf_config(spec.model)
         if draft_config.vocab_size != hf_config.vocab_size:
             raise ValueError(f"draft model vocabulary ({draft_config.vocab_size} tokens) differs from the "
                              f"target's ({hf_config.vocab_size}): the draft must share the target's tokenizer")
-        draft_model = load_model(spec.model, _DTYPES[spec.dtype] if spec.dtype else dtype, device)
+        draft_model = _load(spec.model, _DTYPES[spec.dtype] if spec.dtype else dtype, device)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
     if draft_config is not None:
@@ -123,6 +124,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 block_size, max_model_len, spec.method, spec.gamma)
     return EngineParts(device, dtype, target, proposer, pool, max_model_len, hf_config.vocab_size,
                        eos_token_ids(config.model, hf_config), timer)
+
+
+def _load(path: str, dtype: torch.dtype, device: torch.device):
+    model = load_model(path, dtype, device)
+    if packed_linear_available(device, dtype):   # cheaper small-batch matmuls on CPU (verification)
+        pack_linears(model)
+    return model
 
 
 def _max_model_len(config: EngineConfig, target, draft, kv_capacity: int) -> int:
