@@ -45,11 +45,11 @@ def parse_args(argv):
     p.add_argument("--config-out", default="configs/default.yaml")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--target-steps", type=int, default=360)
-    p.add_argument("--target-time-min", type=float, default=0.0,
+    p.add_argument("--target-time-min", type=float, default=64.0,
                    help="train the target for this many minutes (time-based cosine) instead of --target-steps")
     p.add_argument("--target-args", default="", help="extra arguments for train.pretrain, quoted")
     p.add_argument("--draft-steps", type=int, default=300)
-    p.add_argument("--draft-time-min", type=float, default=0.0,
+    p.add_argument("--draft-time-min", type=float, default=52.0,
                    help="distill for this many minutes (time-based cosine) instead of --draft-steps")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--draft-hidden", type=int, default=160)
