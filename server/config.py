@@ -127,8 +127,8 @@ OPTIONS: tuple[Option, ...] = (
            "'{\"method\": \"draft\", \"model\": \"models/draft\", \"num_speculative_tokens\": 4}' "
            "(keys: " + ", ".join(f.name for f in fields(SpeculativeConfig)) + "; merged over the config file's)",
            "JSON", flag="--speculative-config"),
-    Option("dtype", _parse_str, "weights and KV cache dtype (default auto: bfloat16 on CPU, the checkpoint's "
-           "16-bit type on GPU)", choices=("auto", "bfloat16", "float16", "float32")),
+    Option("dtype", _parse_str, "weights and KV cache dtype (default auto: bfloat16 on CPUs with native bf16, "
+           "else float32; the checkpoint's 16-bit type on GPU)", choices=("auto", "bfloat16", "float16", "float32")),
     Option("device", _parse_str, "auto | cpu | cuda | cuda:N (default auto)", "DEVICE"),
     Option("max_model_len", _parse_int, "context length: prompt + output tokens (default: the model's)", "N"),
     Option("max_num_seqs", _parse_int, "most requests in one batch (default 64)", "N"),
