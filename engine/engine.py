@@ -51,7 +51,7 @@ class Engine:
         """Validate and queue a request; bad input raises ValueError naming the problem."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._validate_prompt(prompt_token_ids, params)
+        self.validate_prompt(prompt_token_ids, params)
         self.requests[request_id] = Request(
             request_id=request_id, token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
             params=params, arrival_time=time.monotonic(), generator=self._generator(params),
@@ -59,7 +59,7 @@ class Engine:
         )
         self.scheduler.add(self.requests[request_id])
 
-    def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty: at least one token is needed")
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]

@@ -44,7 +44,7 @@ class LLM:
         token_lists = [self._tokenize(p) for p in prompts]
         outputs: dict[str, CompletionOutput] = {}
         for tokens, p in zip(token_lists, params):   # validate all before queueing any
-            self.engine._validate_prompt(tokens, p)
+            self.engine.validate_prompt(tokens, p)
         for tokens, p in zip(token_lists, params):
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, tokens, p)
