@@ -12,7 +12,7 @@ from engine.attention import FLASH_BLOCK_SIZE, flash_available
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
-from engine.models.cpu_linear import pack_linears, packed_linear_available
+from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_linear_available
 from engine.models.loader import load_hf_config, load_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -61,13 +61,6 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return configured if configured != torch.float32 else torch.bfloat16
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
     ids = getattr(hf_config, "eos_token_id", None)
     generation_config = os.path.join(model_path, "generation_config.json")
@@ -91,16 +84,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     target_model = _load(config.model, dtype, device)
     draft_model = draft_config = None
+    draft_dtype = _DTYPES[spec.dtype] if spec.dtype else dtype
     if spec.method == "draft":
         draft_config = load_hf_config(spec.model)
         if draft_config.vocab_size != hf_config.vocab_size:
             raise ValueError(f"draft model vocabulary ({draft_config.vocab_size} tokens) differs from the "
                              f"target's ({hf_config.vocab_size}): the draft must share the target's tokenizer")
-        draft_model = _load(spec.model, _DTYPES[spec.dtype] if spec.dtype else dtype, device)
+        draft_model = _load(spec.model, draft_dtype, device)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
     if draft_config is not None:
-        bytes_per_block += ModelRunner.kv_bytes_per_block(draft_config, block_size, dtype)
+        bytes_per_block += ModelRunner.kv_bytes_per_block(draft_config, block_size, draft_dtype)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     max_model_len = _max_model_len(config, target_model, draft_model, num_blocks * block_size - spec.gamma)
     if config.num_kv_blocks is None:   # a budget larger than every sequence at full length is never used
@@ -111,7 +105,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     target = ModelRunner(target_model, num_blocks, block_size, dtype, device, use_flash)
     proposer: Proposer = NoProposer()
     if spec.method == "draft":
-        proposer = DraftModelProposer(ModelRunner(draft_model, num_blocks, block_size, dtype, device, use_flash),
+        proposer = DraftModelProposer(ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, use_flash),
                                       spec.draft_temperature)
     elif spec.method == "ngram":
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)

@@ -20,6 +20,14 @@ from torch import nn
 PACK_HINT_ROWS = 1
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Native bf16 matmuls (AVX512-BF16 / AMX); elsewhere torch emulates bf16 slowly."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -27,7 +35,7 @@ def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.bfloat16 and cpu_has_fast_bf16()
 
 
 class PackedLinear(nn.Module):
