@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.models.cpu_linear import cpu_has_fast_bf16
+
 HELD_OUT_EVERY = 50  # every 50th file (sorted order, index % 50 == 0) is held out
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -154,16 +156,6 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int, min_ratio: float 
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls are only fast on CPUs with native bf16 (AVX512-BF16 / AMX);
-    on AVX2-only CPUs torch emulates them and they run ~20x slower than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_precision(precision: str, device: torch.device) -> bool:
