@@ -174,7 +174,7 @@ class Engine:
 
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         prompt_logprobs = None
-        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+        if request.wants_prompt_logprobs:
             prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         start = request.num_emitted
         request.num_emitted = request.num_output_tokens
