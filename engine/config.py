@@ -8,6 +8,14 @@ SPEC_METHODS = ("draft", "ngram", "none")
 MAX_SPEC_TOKENS = 16
 
 
+def check_model_path(path: str, what: str) -> None:
+    """A model is a checkpoint directory (config.json) or a GGUF file (or a directory holding one)."""
+    from engine.models.gguf import find_gguf
+
+    if not os.path.isfile(os.path.join(path, "config.json")) and find_gguf(path) is None:
+        raise ValueError(f"{what} {path!r} is not a checkpoint directory (no config.json) or a GGUF file")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "none"              # "draft" | "ngram" | "none"
@@ -29,8 +37,7 @@ class SpeculativeConfig:
         if self.method == "draft":
             if not self.model:
                 raise ValueError("speculative method 'draft' needs a draft model path (speculative.model)")
-            if not os.path.isfile(os.path.join(self.model, "config.json")):
-                raise ValueError(f"speculative draft model {self.model!r} is not a checkpoint directory (no config.json)")
+            check_model_path(self.model, "speculative draft model")
         if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.draft_temperature is not None and self.draft_temperature < 0:
@@ -71,8 +78,7 @@ class EngineConfig:
         object.__setattr__(self, "speculative", SpeculativeConfig.from_any(self.speculative))
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"model {self.model!r} is not a checkpoint directory (no config.json)")
+        check_model_path(self.model, "model")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,10 +1,11 @@
-"""Strict loading of Hugging Face safetensors checkpoints into our modules.
+"""Strict loading of Hugging Face safetensors (or GGUF) checkpoints into our modules.
 
 The model is built on the meta device (no initialisation cost), every
 parameter is then allocated once in the target dtype/device and filled from
 the checkpoint. Every checkpoint tensor must land in a parameter and every
 parameter must be filled: anything else is a ValueError naming the tensors,
-raised after reading only the safetensors headers.
+raised after reading only the checkpoint's headers. A GGUF file (engine/models/gguf.py) is one
+more source of tensors under the same names, checked the same way.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.models.gguf import GGUFCheckpoint, find_gguf
 from engine.models.llama import CausalLM, FusedLinear
 
 SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -29,9 +31,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_hf_config(path):
-    """Read config.json of a local checkpoint directory (never downloads)."""
+    """Read config.json of a local checkpoint directory, or a GGUF file's metadata (never downloads)."""
     from transformers import AutoConfig
 
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file).config
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"model path {str(path)!r} does not exist or is not a directory")
@@ -72,14 +77,75 @@ def weight_files(path) -> list[Path]:
                      "(only safetensors checkpoints are supported)")
 
 
+def token_vocabulary(path) -> list[str] | None:
+    """The tokenizer's token strings by id (from tokenizer.json or GGUF metadata), or None if absent.
+
+    Read from the files directly, without building a tokenizer: this only decides whether a draft
+    and a target share one."""
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file).field("tokenizer.ggml.tokens")
+    tokenizer_json = Path(path) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        return None
+    data = json.loads(tokenizer_json.read_text())
+    by_id = {index: token for token, index in (data.get("model", {}).get("vocab") or {}).items()}
+    by_id.update({added["id"]: added["content"] for added in data.get("added_tokens", [])})
+    return [by_id.get(i) for i in range(max(by_id) + 1)] if by_id else None
+
+
+def check_same_tokenizer(target_path, target_config, draft_path, draft_config) -> None:
+    """A draft must tokenize like its target. Embedding tables may be padded to different sizes
+    (Qwen2.5-0.5B has 151936 rows, 7B 152064), so the tokenizers are compared, not the row counts."""
+    target_vocab, draft_vocab = token_vocabulary(target_path), token_vocabulary(draft_path)
+    if target_vocab is None or draft_vocab is None:
+        if draft_config.vocab_size != target_config.vocab_size:
+            raise ValueError(f"draft model vocabulary ({draft_config.vocab_size} tokens) differs from the target's "
+                             f"({target_config.vocab_size}) and a tokenizer is missing to compare them: the draft "
+                             "must share the target's tokenizer")
+        return
+    n = min(len(target_vocab), len(draft_vocab))
+    differing = next((i for i in range(n) if target_vocab[i] != draft_vocab[i]), None)
+    if differing is not None:
+        raise ValueError(f"the draft's tokenizer differs from the target's (token {differing}: "
+                         f"{draft_vocab[differing]!r} vs {target_vocab[differing]!r}): the draft must share "
+                         "the target's tokenizer")
+    if max(len(target_vocab), len(draft_vocab)) > min(target_config.vocab_size, draft_config.vocab_size):
+        raise ValueError(f"the tokenizer has {max(len(target_vocab), len(draft_vocab))} tokens but the "
+                         f"{'draft' if draft_config.vocab_size < target_config.vocab_size else 'target'} has only "
+                         f"{min(target_config.vocab_size, draft_config.vocab_size)} embedding rows")
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a (possibly sharded) safetensors checkpoint, read lazily file by file."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self.where = _checkpoint_keys(files)
+
+    def tensor_names(self):
+        return self.where.keys()
+
+    def tensors(self):
+        for file in self.files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+
+
+def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint:
+    gguf_file = find_gguf(path)
+    return GGUFCheckpoint(gguf_file) if gguf_file is not None else SafetensorsCheckpoint(weight_files(path))
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
     config = load_hf_config(path)
     model_cls = SUPPORTED_ARCHITECTURES[architecture_of(config)]
-    files = weight_files(path)
+    checkpoint = open_checkpoint(path)
     device = torch.device(device)
     with torch.device("meta"):
         model = model_cls(config)
-    load_weights(model, files, dtype, device)
+    load_weights(model, checkpoint, dtype, device)
     model.init_buffers(device, dtype)
     return model.eval()
 
@@ -123,10 +189,10 @@ def _name_list(names) -> str:
     return shown + (f" (and {len(names) - 10} more)" if len(names) > 10 else "")
 
 
-def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
-    """Fill every parameter of a (meta) model from the safetensors files, strictly."""
+def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill every parameter of a (meta) model from a checkpoint (safetensors or GGUF), strictly."""
     plan = _checkpoint_plan(model)
-    where = _checkpoint_keys(files)
+    where = set(checkpoint.tensor_names())
     missing = set(plan) - set(where)
     unexpected = {k for k in set(where) - set(plan) if not _is_ignorable(k, model)}
     if missing:
@@ -136,18 +202,14 @@ def load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device:
 
     params = dict(model.named_parameters())
     filled = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in params.items()}
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key not in plan:
-                    continue
-                name, offset, rows = plan[key]
-                target = filled[name] if offset is None else filled[name].narrow(0, offset, rows)
-                tensor = f.get_tensor(key)
-                if tensor.shape != target.shape:
-                    raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
-                target.copy_(tensor)
+    for key, tensor in checkpoint.tensors():
+        if key not in plan:
+            continue
+        name, offset, rows = plan[key]
+        target = filled[name] if offset is None else filled[name].narrow(0, offset, rows)
+        if tensor.shape != target.shape:
+            raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor)
 
     for name, tensor in filled.items():
         module_name, _, leaf = name.rpartition(".")

@@ -1,0 +1,329 @@
+"""GGUF checkpoints (llama.cpp's format) for the Llama family: config, tokenizer and weights from one file.
+
+A `model:` path may name a .gguf file, or a directory holding exactly one .gguf and no config.json.
+Weights are dequantized by the `gguf` library (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and the
+K-quants) into float32 and then cast to the serving dtype by the strict loader, under the Hugging
+Face parameter names our modules use. llama.cpp stores a Llama's q/k projections with the rotary
+halves interleaved; they are permuted back here, so the result equals the original checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+# GGUF architecture -> (transformers architecture, model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def find_gguf(path) -> Path | None:
+    """The GGUF file `path` names (a .gguf file, or a directory with one and no config.json), else None."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) > 1:
+            raise ValueError(f"{str(path)!r} holds several GGUF files ({', '.join(f.name for f in files)}): "
+                             "name one of them as the model")
+        return files[0] if files else None
+    return None
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face parameter name of a GGUF tensor, or a ValueError naming it."""
+    stem, _, leaf = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES and leaf == "weight":
+        return f"{_GLOBAL_NAMES[stem]}.weight"
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, kind, leaf = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{leaf}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (each head's rotary halves interleaved) for a [rows, ...] tensor."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: the inverse of unpermute_rotary (used to write GGUF files)."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+class GGUFCheckpoint:
+    """Read-only view of a GGUF file: metadata as a transformers config, tensors under HF names."""
+
+    def __init__(self, path):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as exc:   # truncated file, bad magic, unknown version
+            raise ValueError(f"cannot read GGUF file {str(self.path)!r}: {exc}") from exc
+        self.architecture = self.field("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            supported = ", ".join(sorted(ARCHITECTURES))
+            raise ValueError(f"GGUF architecture {self.architecture!r} is not supported; supported: {supported}")
+        if "rope_freqs.weight" in self._tensors:
+            raise ValueError("GGUF tensor 'rope_freqs.weight' (llama3 rope scaling) is not supported: "
+                             "serve the original safetensors checkpoint instead")
+
+    def field(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_field(self, key: str, default=None):
+        return self.field(f"{self.architecture}.{key}", default)
+
+    @cached_property
+    def _tensors(self) -> dict:
+        return {tensor.name: tensor for tensor in self.reader.tensors}
+
+    @cached_property
+    def config(self):
+        """A transformers config equal to the original checkpoint's config.json."""
+        from transformers import AutoConfig
+
+        architecture, model_type = ARCHITECTURES[self.architecture]
+        required = {"block_count", "embedding_length", "feed_forward_length", "attention.head_count"}
+        missing = sorted(k for k in required if self.arch_field(k) is None)
+        if missing:
+            raise ValueError(f"GGUF file {self.path.name} lacks metadata: "
+                             + ", ".join(f"{self.architecture}.{k}" for k in missing))
+        hidden, heads = self.arch_field("embedding_length"), self.arch_field("attention.head_count")
+        fields = dict(
+            architectures=[architecture],
+            vocab_size=int(self._tensors["token_embd.weight"].shape[-1]),
+            hidden_size=hidden,
+            intermediate_size=self.arch_field("feed_forward_length"),
+            num_hidden_layers=self.arch_field("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=self.arch_field("attention.head_count_kv", heads),
+            head_dim=self.arch_field("attention.key_length", hidden // heads),
+            max_position_embeddings=self.arch_field("context_length", 2048),
+            rms_norm_eps=self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=self.arch_field("rope.freq_base", 10000.0),
+            rope_scaling=self._rope_scaling(),
+            tie_word_embeddings="output.weight" not in self._tensors,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
+            torch_dtype="bfloat16",
+        )
+        if self.architecture == "qwen2":
+            fields["use_sliding_window"] = False
+        return AutoConfig.for_model(model_type, **fields)
+
+    def _rope_scaling(self) -> dict | None:
+        kind = self.arch_field("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        if kind not in ("linear", "yarn"):
+            raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear, yarn)")
+        scaling = {"rope_type": kind, "factor": float(self.arch_field("rope.scaling.factor", 1.0))}
+        if kind == "yarn":
+            scaling["original_max_position_embeddings"] = self.arch_field("rope.scaling.original_context_length")
+        return scaling
+
+    def tensor_names(self) -> dict[str, str]:
+        """HF parameter name -> GGUF tensor name, for every tensor in the file."""
+        return {hf_name(name): name for name in self._tensors}
+
+    def tensor(self, gguf_name: str) -> torch.Tensor:
+        """One tensor, dequantized to float32 in PyTorch's [out, in] layout under HF conventions."""
+        import gguf
+
+        tensor = self._tensors[gguf_name]
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = array.reshape([int(d) for d in reversed(tensor.shape)])   # GGUF lists dims innermost first
+        if self.architecture == "llama":
+            kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+            if kind == "attn_q":
+                array = unpermute_rotary(array, self.config.num_attention_heads)
+            elif kind == "attn_k":
+                array = unpermute_rotary(array, self.config.num_key_value_heads)
+        return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))   # a writable copy
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for hf, name in self.tensor_names().items():
+            yield hf, self.tensor(name)
+
+    def tokenizer(self):
+        """The file's tokenizer (with its chat template), built by transformers from the GGUF vocabulary."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        template = self.field("tokenizer.chat_template")
+        if template and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = template
+        return tokenizer
+
+    def export(self, out_dir, dtype: torch.dtype = torch.float32) -> Path:
+        """Write a Hugging Face checkpoint directory (safetensors, config, tokenizer, chat template)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {name: tensor.to(dtype) for name, tensor in self.tensors()}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": self.path.name})
+        config = self.config
+        config.dtype = str(dtype).replace("torch.", "")
+        config.save_pretrained(out)
+        (out / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+             "pad_token_id": config.pad_token_id}, indent=2) + "\n")
+        self.tokenizer().save_pretrained(out)
+        return out
+
+
+def write_gguf(path, tensors: dict[str, torch.Tensor], config, tokenizer, qtype: str = "F32") -> None:
+    """Write a Llama-family checkpoint (HF-named tensors, its config, a byte-level BPE tokenizer) as a
+    GGUF file; matrices are stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...), vectors as F32."""
+    import gguf
+
+    architecture = {arch: gguf_arch for gguf_arch, (arch, _) in ARCHITECTURES.items()}.get(config.architectures[0])
+    if architecture is None:
+        raise ValueError(f"cannot write architecture {config.architectures[0]!r} as GGUF")
+    matrix_type = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[matrix_type][0]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    _write_metadata(writer, config, matrix_type)
+    _write_tokenizer(writer, tokenizer, config.vocab_size)
+    to_gguf = {}
+    for gguf_name in [*_GLOBAL_NAMES, *(f"blk.{i}.{kind}" for i in range(config.num_hidden_layers) for kind in _LAYER_NAMES)]:
+        for leaf in ("weight", "bias"):
+            try:
+                to_gguf[hf_name(f"{gguf_name}.{leaf}")] = f"{gguf_name}.{leaf}"
+            except ValueError:
+                pass
+    for name, tensor in tensors.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name not in to_gguf:
+            raise ValueError(f"tensor {name!r} has no GGUF name")
+        array = tensor.detach().float().cpu().numpy()
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = permute_rotary(array, heads)
+        if array.ndim == 2 and array.shape[-1] % block == 0:
+            writer.add_tensor(to_gguf[name], gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
+        else:
+            writer.add_tensor(to_gguf[name], array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_metadata(writer, config, matrix_type) -> None:
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(config.vocab_size)
+    file_types = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+    if matrix_type.name in file_types:
+        writer.add_file_type(file_types[matrix_type.name])
+
+
+def _write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's "gpt2" tokenizer model, padded to the embedding rows."""
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"only byte-level BPE tokenizers can be written to GGUF, not {model.get('type')}")
+    tokens = {index: token for token, index in model["vocab"].items()}
+    special = set()
+    for index, added in tokenizer.added_tokens_decoder.items():
+        tokens[index] = added.content
+        if added.special:
+            special.add(index)
+    if max(tokens) >= vocab_size:
+        raise ValueError(f"the tokenizer has ids up to {max(tokens)}, beyond the model's {vocab_size} embeddings")
+    import gguf
+
+    names, types = [], []
+    for index in range(vocab_size):
+        if index in tokens:
+            names.append(tokens[index])
+            types.append(gguf.TokenType.CONTROL if index in special else gguf.TokenType.NORMAL)
+        else:
+            names.append(f"[PAD{index}]")
+            types.append(gguf.TokenType.UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(names)
+    writer.add_token_types(types)
+    if merges:
+        writer.add_token_merges(merges)
+    else:   # a byte-only vocabulary: readers derive (no) merges from scores when the file lists none
+        writer.add_token_scores([0.0] * vocab_size)
+    for key, token_id in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
+                          ("pad", tokenizer.pad_token_id), ("unk", tokenizer.unk_token_id)):
+        if token_id is not None:
+            getattr(writer, f"add_{key}_token_id")(token_id)
+    writer.add_add_bos_token(False)
+    if getattr(tokenizer, "chat_template", None):
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve convert-gguf",
+                                     description="Write a safetensors checkpoint directory from a GGUF file "
+                                                 "(weights dequantized; config, tokenizer and chat template kept).")
+    parser.add_argument("gguf", help="the .gguf file")
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="dtype of the written weights (float32 keeps the dequantized values exactly)")
+    args = parser.parse_args(argv)
+    try:
+        out = GGUFCheckpoint(args.gguf).export(args.out, getattr(torch, args.dtype))
+    except ValueError as exc:
+        raise SystemExit(f"specserve convert-gguf: error: {exc}") from None
+    print(f"wrote {out}")
+    return 0
