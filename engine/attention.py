@@ -47,6 +47,9 @@ class AttentionMetadata:
     attn_mask: torch.Tensor | None        # [B, 1, max_query_len, max_seq_len] bool, True = attend;
                                           # None: one sequence, whose queries need no mask or a plain causal one
     causal: bool = False                  # with attn_mask None: queries are the whole sequence
+    # Torch path, mixed passes: (token rows [T_g] int64, metadata) for the single-token sequences and for
+    # the rest, attended separately, so one prefill chunk does not pad every decode query to its length.
+    groups: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -75,9 +78,16 @@ class AttentionMetadata:
         np.cumsum(s_lens, out=s_start[1:])
         max_q = int(q_lens.max())
 
-        block_ids = pad_index = mask = None
+        block_ids = pad_index = mask = groups = None
         causal = False
-        if not use_flash:
+        if not use_flash and max_q > 1 and 1 < (q_lens == 1).sum() < num_seqs:
+            groups = []
+            for seqs in (np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)):
+                rows = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in seqs])
+                sub = cls.build(q_lens[seqs].tolist(), s_lens[seqs].tolist(), [block_tables[i] for i in seqs],
+                                block_size, device)
+                groups.append((torch.from_numpy(rows).to(device), sub))
+        elif not use_flash:
             block_ids = torch.from_numpy(table.reshape(-1)).to(device)
             if max_q > 1:
                 pad_index = torch.from_numpy(seq_idx * max_q + (np.arange(len(seq_idx)) - q_start[seq_idx])).to(device)
@@ -101,6 +111,7 @@ class AttentionMetadata:
             query_pad_index=pad_index,
             attn_mask=mask,
             causal=causal,
+            groups=groups,
         )
 
 
@@ -141,6 +152,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _torch_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.groups is not None:
+        out = torch.empty_like(query)
+        for rows, group in meta.groups:
+            out[rows] = _torch_paged_attention(query[rows], kv_cache, group, scale)
+        return out
     num_seqs, max_q = meta.num_seqs, meta.max_query_len
     num_heads, head_dim = query.shape[1], query.shape[2]
     # Gather each sequence's pages into a contiguous [B, H_kv, max_seq_len, D] view.
