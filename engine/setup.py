@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
 from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_linear_available
-from engine.models.loader import load_hf_config, load_model
+from engine.models.loader import check_same_tokenizer, load_hf_config, load_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
@@ -77,19 +77,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     hf_config = load_hf_config(config.model)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    use_flash = flash_available(device) and dtype != torch.float32   # flash-attn has no fp32 kernels
-    block_size = config.block_size or (FLASH_BLOCK_SIZE if use_flash else 16)
-    if use_flash and block_size % FLASH_BLOCK_SIZE:
+    draft_dtype = _DTYPES[spec.dtype] if spec.dtype else dtype
+    # Each runner decides from its own dtype: flash-attn has no fp32 kernels.
+    target_flash = flash_available(device) and dtype != torch.float32
+    draft_flash = flash_available(device) and draft_dtype != torch.float32 and spec.method == "draft"
+    block_size = config.block_size or (FLASH_BLOCK_SIZE if target_flash or draft_flash else 16)
+    if (target_flash or draft_flash) and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
     target_model = _load(config.model, dtype, device)
     draft_model = draft_config = None
-    draft_dtype = _DTYPES[spec.dtype] if spec.dtype else dtype
     if spec.method == "draft":
         draft_config = load_hf_config(spec.model)
-        if draft_config.vocab_size != hf_config.vocab_size:
-            raise ValueError(f"draft model vocabulary ({draft_config.vocab_size} tokens) differs from the "
-                             f"target's ({hf_config.vocab_size}): the draft must share the target's tokenizer")
+        check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
         draft_model = _load(spec.model, draft_dtype, device)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
@@ -102,11 +102,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
 
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
-    target = ModelRunner(target_model, num_blocks, block_size, dtype, device, use_flash)
+    target = ModelRunner(target_model, num_blocks, block_size, dtype, device, target_flash)
     proposer: Proposer = NoProposer()
     if spec.method == "draft":
-        proposer = DraftModelProposer(ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, use_flash),
-                                      spec.draft_temperature)
+        proposer = DraftModelProposer(ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
+                                      hf_config.vocab_size, spec.draft_temperature)
     elif spec.method == "ngram":
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
 

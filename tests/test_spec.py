@@ -137,8 +137,31 @@ def test_bad_speculative_configs_fail_at_start_up(paths, tmp_path):
     with pytest.raises(ValueError, match="unknown speculative config keys: \\['gama'\\]"):
         EngineConfig(model=paths["target"], speculative={"method": "ngram", "gama": 3})
     other_vocab = make_tiny_checkpoint(tmp_path / "v300", arch="llama", vocab_size=300, seed=3)
-    with pytest.raises(ValueError, match=r"draft model vocabulary \(300 tokens\) differs from the target's \(272\)"):
+    with pytest.raises(ValueError, match=r"the tokenizer has 300 tokens but the target has only 272 embedding rows"):
         Engine(EngineConfig(model=paths["target"], speculative={"method": "draft", "model": str(other_vocab)}))
+    other_tokens = make_tiny_checkpoint(tmp_path / "renamed", arch="llama", seed=3)
+    tokenizer_json = other_tokens / "tokenizer.json"
+    tokenizer_json.write_text(tokenizer_json.read_text().replace('"<extra_3>"', '"<other_3>"'))
+    with pytest.raises(ValueError, match=r"the draft's tokenizer differs from the target's \(token 264: '<other_3>' vs '<extra_3>'"):
+        Engine(EngineConfig(model=paths["target"], speculative={"method": "draft", "model": str(other_tokens)}))
+
+
+def test_draft_with_a_differently_padded_embedding_table(paths, prompts, plain_greedy, tmp_path):
+    """Same tokenizer, more embedding rows (Qwen2.5-0.5B vs 7B): accepted, q gives the padding rows no mass,
+    and greedy output stays the target's."""
+    import shutil
+
+    padded = make_tiny_checkpoint(tmp_path / "padded", arch="llama", vocab_size=300, seed=7, num_layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{paths['target']}/{name}", padded / name)
+    config = EngineConfig(model=paths["target"], dtype="float32",
+                          speculative={"method": "draft", "model": str(padded), "num_speculative_tokens": 3})
+    tokens, finals = generate(config, prompts, GREEDY)
+    assert tokens == plain_greedy
+    assert sum(f.spec.proposed for f in finals) > 0
+    sampled, _ = generate(config, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3,
+                                                          ignore_eos=True))
+    assert all(t < 272 for seq in sampled for t in seq)
 
 
 # ---- sampling: the output distribution is the target's -------------------------------------

@@ -21,15 +21,16 @@ from engine.spec.base import Proposal
 class DraftModelProposer:
     method = "draft"
 
-    def __init__(self, runner: ModelRunner, draft_temperature: float | None = None):
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_temperature: float | None = None):
         self.runner = runner
+        self.target_vocab_size = target_vocab_size
         self.draft_temperature = draft_temperature
 
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in scheduled]
         max_k = max(item.num_lookahead for item in scheduled)
         drafting = [i for i, item in enumerate(scheduled) if item.num_lookahead > 0]
-        logits = self._catch_up(scheduled)   # one row per drafting request
+        logits = self._fit_vocab(self._catch_up(scheduled))   # one row per drafting request
         if not drafting:
             return Proposal(drafts, None)
 
@@ -49,8 +50,19 @@ class DraftModelProposer:
             active = [a for a in active if scheduled[drafting[a]].num_lookahead > step + 1]
             if not active:
                 break
-            logits = self._feed_drafts([scheduled[drafting[a]] for a in active], [drafts[drafting[a]] for a in active])
+            logits = self._fit_vocab(self._feed_drafts([scheduled[drafting[a]] for a in active],
+                                                       [drafts[drafting[a]] for a in active]))
         return Proposal(drafts, draft_probs)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, draft_vocab] -> [n, target_vocab]: embedding tables padded to different sizes
+        share one tokenizer; rows past the shorter table are padding, so q gives them no mass."""
+        vocab = logits.shape[-1]
+        if vocab == self.target_vocab_size:
+            return logits
+        if vocab > self.target_vocab_size:
+            return logits[:, :self.target_vocab_size]
+        return torch.nn.functional.pad(logits, (0, self.target_vocab_size - vocab), value=float("-inf"))
 
     def _draft_params(self, params):
         if self.draft_temperature is None or params.greedy:
