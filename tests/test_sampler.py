@@ -311,3 +311,24 @@ def test_compute_logprobs_without_top():
     chosen, top_ids, top_logprobs = compute_logprobs(logits, torch.tensor([1, 2]), 0)
     assert chosen.shape == (2,) and top_ids.shape == (2, 0) and top_logprobs.shape == (2, 0)
     assert top_ids.dtype == torch.int64
+
+
+def test_top_k_top_p_among_candidates_equals_the_full_sort():
+    """Vocabularies wider than TOP_CANDIDATES filter among the best candidates; rows whose kept set may
+    reach past them (flat distributions, large top-k) fall back to the full sort. Same kept sets either way."""
+    from engine.sampler import TOP_CANDIDATES, _filter_sorted, _top_k_top_p
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 4 * TOP_CANDIDATES
+    peaky = torch.randn(6, vocab, generator=generator) * 6
+    flat = torch.randn(6, vocab, generator=generator) * 0.1   # the nucleus needs most of the vocabulary
+    logits = torch.cat([peaky, flat])
+    top_k = torch.tensor([0, 7, 0, 2 * TOP_CANDIDATES, 0, 40] * 2)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.8, 1.0, 0.95] * 2)
+    expected = _filter_sorted(logits, top_k, top_p)
+    untouched = (top_k == 0) & (top_p == 1.0)
+    expected[untouched] = logits[untouched]
+    got = _top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    kept = ~torch.isinf(got)
+    assert torch.equal(got[kept], expected[kept])
