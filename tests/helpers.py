@@ -122,3 +122,21 @@ def make_tiny_checkpoint(path, arch: str = "llama", vocab_size: int = 272, hidde
     model.save_pretrained(path, **save_kwargs)
     make_tokenizer(vocab_size).save_pretrained(path)
     return path
+
+
+def train_bpe_tokenizer(files: list[Path], out_dir: Path, vocab_size: int, model_max_length: int = 512):
+    """A byte-level BPE tokenizer trained on text files, saved as a transformers directory
+    ("<|endoftext|>" is eos and bos, "<|pad|>" pads); returns the `tokenizers.Tokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((Path(f).read_text() for f in files), trainer=trainer, length=len(files))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                            pad_token="<|pad|>", model_max_length=model_max_length).save_pretrained(out_dir)
+    return tok

@@ -11,7 +11,7 @@ import torch
 
 from train import distill as distill_mod
 from train.distill import DistillConfig, distill, expected_tokens_per_step, main
-from train.tokenizer import save_tokenizer, train_tokenizer
+from helpers import train_bpe_tokenizer
 
 WORDS = ["def", "return", "self", "value", "index", "None", "for", "in", "if", "else", "import",
          "class", "print", "range", "len", "items", "key", "data", "result", "True", "False"]
@@ -35,8 +35,7 @@ def make_tiny_target(path, corpus_dir, vocab_size=320, hidden=64, layers=2, seed
     """A random tiny Llama checkpoint with a byte-level BPE tokenizer trained on the corpus."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = train_tokenizer(sorted(corpus_dir.glob("*.py")), vocab_size)
-    save_tokenizer(tok, path, model_max_length=512)
+    tok = train_bpe_tokenizer(sorted(corpus_dir.glob("*.py")), path, vocab_size)
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, tie_word_embeddings=False,
@@ -159,3 +158,111 @@ def test_time_budget_run_finishes_and_exports(setup):
     assert "stopped" not in stats and 0 < stats["steps"] < 10**6
     assert stats["train_seconds"] >= 1.2
     assert (out / "model.safetensors").exists()
+
+
+# ---- chat data and self-distillation (the default draft's recipe, on tiny models) ----------------
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    from helpers import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("chat")
+    return make_tiny_checkpoint(root / "target", arch="llama", num_layers=3, seed=2, tie_word_embeddings=True)
+
+
+def write_chat_jsonl(path, count=60, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(count):
+            question = " ".join(rng.sample(WORDS, 4))
+            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 20)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def test_chat_examples_train_on_the_answer_only(chat_target):
+    from helpers import IM_END_ID
+
+    from server.tokenizer import load_tokenizer
+    from train.chat_data import IGNORE, collate, render
+
+    tokenizer = load_tokenizer(str(chat_target))
+    messages = [{"role": "user", "content": "what is up"}, {"role": "assistant", "content": "all good"}]
+    example = render(tokenizer, messages)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    assert example.answer_start == len(prompt) and list(example.token_ids[:len(prompt)]) == prompt
+    answer = example.token_ids[example.answer_start:]
+    assert tokenizer.decode(answer[:-1]) == "all good" and answer[-1] == IM_END_ID   # the end of turn is learned
+    inputs, labels = collate([example], seq_len=64, pad_id=0)
+    trained = labels[0] != IGNORE
+    assert trained.sum() == len(answer) and labels[0][trained].tolist() == answer.tolist()
+    # too long: the prompt is cut from the left, the answer survives
+    inputs, labels = collate([example], seq_len=len(answer) + 2, pad_id=0)
+    assert labels[0][labels[0] != IGNORE].tolist() == answer.tolist()
+
+
+def test_distill_chat_data_from_target_layers_into_a_gguf_draft(chat_target, tmp_path):
+    from engine import SamplingParams
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    out = tmp_path / "draft"
+    stats = distill(DistillConfig(target=str(chat_target), out=str(out), data=str(data),
+                                  draft_from_target_layers=[0], steps=30, batch_size=8, seq_len=64, lr=5e-3,
+                                  warmup=3, eval_windows=8, held_out_every=5, precision="fp32", threads=1,
+                                  save_format="gguf", gguf_type="F32", progress=False), log=lambda *_: None)
+    assert stats["data"]["conversations"] == 60 and stats["data"]["held_out_conversations"] == 12
+    assert stats["after"]["kl"] < stats["before"]["kl"]
+    assert 0 < stats["after"]["sampled_acceptance"] <= 1
+    assert (out / "draft.gguf").exists() and not (out / "model.safetensors").exists()
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for name, spec in (("plain", None), ("draft", {"method": "draft", "model": str(out), "num_speculative_tokens": 3})):
+        engine = Engine(EngineConfig(model=str(chat_target), dtype="float32", **({"speculative": spec} if spec else {})))
+        engine.add_request("r", [1, 2, 3, 4, 5], params)
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [t for o in engine.step() for t in o.new_token_ids]
+        outputs[name] = tokens
+    assert outputs["draft"] == outputs["plain"]
+
+
+def test_generate_then_distill_resumes_the_answers(chat_target, tmp_path):
+    from train.generate import main as generate_main, read_jsonl
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"say {w}"}]}) + "\n"
+                               for i, w in enumerate(WORDS[:10])))
+    answers = tmp_path / "answers.jsonl"
+    argv = ["--target", str(chat_target), "--out", str(answers), "--prompts", str(prompts), "--max-tokens", "6"]
+    assert generate_main(argv) == 0
+    rows = read_jsonl(answers)
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(10)]
+    for row in rows:
+        assert row["messages"][-1]["role"] == "assistant" and 1 <= len(row["response_token_ids"]) <= 6
+    assert generate_main(argv) == 0 and len(read_jsonl(answers)) == 10   # nothing answered twice
+    stats = distill(DistillConfig(target=str(chat_target), out=str(tmp_path / "d"), generate_from=str(prompts),
+                                  draft_layers=1, draft_hidden=32, draft_heads=2, steps=5, batch_size=4, seq_len=32,
+                                  warmup=1, eval_windows=4, held_out_every=5, precision="fp32", threads=1,
+                                  generate_max_tokens=6, progress=False), log=lambda *_: None)
+    assert stats["data"]["conversations"] == 10 and (tmp_path / "d" / "responses.jsonl").exists()
+
+
+def test_prompts_file_without_a_user_turn_is_a_clear_error(chat_target, tmp_path):
+    from train.generate import main as generate_main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    with pytest.raises(SystemExit, match="line 1 needs \"messages\" ending in a user turn"):
+        generate_main(["--target", str(chat_target), "--out", str(tmp_path / "o.jsonl"), "--prompts", str(bad)])
+
+
+def test_exactly_one_data_source(setup, tmp_path):
+    root, corpus, target = setup
+    msg = _fails(["--target", str(target), "--out", str(tmp_path / "o"), "--corpus", str(corpus),
+                  "--data", str(tmp_path / "x.jsonl")])
+    assert "exactly one of --corpus, --data and --generate-from" in msg

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import sysconfig
 import time
 from pathlib import Path
 
@@ -42,23 +41,6 @@ class TrainError(Exception):
 
 
 # ----------------------------------------------------------------------------- corpus
-
-
-def stdlib_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files() -> list[Path]:
-    """The *.py files of the running interpreter's standard library, sorted,
-    without site-packages / dist-packages (third-party code)."""
-    root = stdlib_dir()
-    files = []
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root).parts
-        if "site-packages" in parts or "dist-packages" in parts:
-            continue
-        files.append(path)
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def corpus_files(paths: list[str | Path], pattern: str | None = None,

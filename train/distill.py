@@ -1,9 +1,17 @@
 """specserve distill: train a small draft model to match a target's next-token
 distribution, for speculative decoding.
 
-    specserve distill --target models/default-target --corpus DIR_OR_FILES... \\
-        --out runs/my-draft (--draft EXISTING_DIR | --draft-layers 2 --draft-hidden 160 --draft-heads 5) \\
-        [--steps 500] [--loss kl|tv] [--ce-weight 0.0] [--resume]
+    specserve distill --target TARGET (--data chat.jsonl | --generate-from prompts.jsonl | --corpus DIR_OR_FILES...) \\
+        --out runs/my-draft (--draft EXISTING_DIR | --draft-from-target-layers 0 1
+                             | --draft-layers 2 --draft-hidden 160 --draft-heads 5) \\
+        [--steps 500] [--loss kl|tv] [--ce-weight 0.0] [--save-format safetensors|gguf] [--resume]
+
+Data: chat JSONL (`--data`, {"messages": [...]} per line, rendered with the target's chat template,
+loss on the last assistant turn only: see train/chat_data.py); or prompts whose answers the
+target first generates with specserve's engine (`--generate-from`, written to <out>/responses.jsonl,
+the self-distillation recipe); or plain text files (`--corpus`, loss on every position).
+Runs on CUDA when present (the target in bf16), else on CPU (bf16 autocast where the CPU has
+native bf16).
 
 The target (any Hugging Face Llama / Mistral / Qwen2 / Qwen3 causal-LM
 directory) runs without gradients; its logits on each batch are computed on
@@ -12,12 +20,12 @@ variation), optionally plus ``ce_weight`` x next-token cross-entropy.
 Checkpoints (``<out>/checkpoint``) are resumable; the final draft is a plain
 Hugging Face directory in ``<out>`` with the target's tokenizer files.
 
-Before and after training it reports, on a held-out slice of the corpus
-(every 50th file, or the last 5% of the tokens of a single file), the draft's
-greedy acceptance rate against the target - the fraction of positions where
-the draft's argmax equals the target's, teacher-forced on the held-out text -
-and the expected tokens per verification step at gamma, (1 - a^(g+1)) / (1 - a),
-which assumes each position is accepted independently with probability a.
+Before and after training it reports, on a held-out slice (every 50th conversation or file, or
+the last 5% of the tokens of a single file): the draft's greedy acceptance against the target
+(the fraction of trained positions where the draft's argmax equals the target's, teacher-forced),
+1 - TV(target, draft) (the expected acceptance of a sampled draft token at temperature 1), and the
+expected tokens per verification step at gamma, (1 - a^(g+1)) / (1 - a), which assumes each
+position is accepted independently with probability a.
 """
 
 from __future__ import annotations
@@ -25,7 +33,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -35,17 +42,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from train.chat_data import IGNORE, collate, load_chat_jsonl, sample_examples, split_examples
 from train.common import (
     HELD_OUT_EVERY,
     TrainError,
     Throughput,
     autocast,
-    copy_tokenizer_files,
     corpus_files,
     cosine_lr,
     count_params,
     eval_windows,
-    export_model,
     load_checkpoint_state,
     resolve_precision,
     sample_batch,
@@ -55,18 +61,29 @@ from train.common import (
     split_files,
     tokenize_files,
 )
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from train.draft_models import (
+    SAVE_DTYPES,
+    draft_from_target_layers,
+    export_draft,
+    hf_model,
+    load_existing_draft,
+    load_target,
+    new_draft,
+)
 
 
 @dataclass
 class DistillConfig:
     target: str
-    corpus: list[str]
     out: str
-    draft: str | None = None  # existing checkpoint to start from; else a new Llama:
-    draft_layers: int = 2
+    corpus: list[str] | None = None  # plain text files / directories (loss everywhere), or:
+    data: str | None = None  # chat JSONL (loss on the last assistant turn), or:
+    generate_from: str | None = None  # prompts JSONL, or "builtin": the target answers them first
+    generate_count: int = 3000  # with generate_from="builtin": prompts in round one
+    generate_max_tokens: int = 320
+    draft: str | None = None  # existing checkpoint to start from; else the target's own layers:
+    draft_from_target_layers: list[int] | None = None
+    draft_layers: int = 2  # ... else a new Llama of this shape
     draft_hidden: int = 160
     draft_heads: int = 5
     draft_kv_heads: int = 1
@@ -83,12 +100,15 @@ class DistillConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     loss: str = "kl"  # "kl" (forward KL, target || draft) or "tv" (total variation)
-    ce_weight: float = 0.0  # + ce_weight x next-token cross-entropy on the corpus
+    ce_weight: float = 0.0  # + ce_weight x next-token cross-entropy on the data
     gamma: int = 4
-    eval_windows: int = 32
+    eval_windows: int = 32  # held-out windows (corpus) or conversations (chat data) to evaluate on
     held_out_every: int = HELD_OUT_EVERY
     precision: str = "auto"
+    device: str = "auto"  # auto: cuda when present
+    save_format: str = "safetensors"  # or "gguf" (one file, matrices as gguf_type)
     save_dtype: str = "float32"
+    gguf_type: str = "Q8_0"
     seed: int = 0
     threads: int | None = None
     ckpt_every: int = 100  # steps
@@ -98,127 +118,77 @@ class DistillConfig:
     progress: bool = True
 
 
-# ----------------------------------------------------------------------------- models
-
-
-def load_target(path: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    target_dir = Path(path)
-    if not target_dir.exists():
-        raise TrainError(f"target checkpoint not found: {target_dir}")
-    if not (target_dir / "config.json").exists():
-        raise TrainError(f"target {target_dir} is not a Hugging Face model directory (no config.json)")
-    config = AutoConfig.from_pretrained(target_dir)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise TrainError(f"target model type {config.model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    model.eval().requires_grad_(False)
-    return model
-
-
-def new_draft(cfg: DistillConfig, target):
-    """A fresh Llama draft sharing the target's vocabulary and special ids."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tc = target.config
-    if cfg.draft_hidden % cfg.draft_heads or cfg.draft_heads % cfg.draft_kv_heads:
-        raise TrainError(f"draft hidden {cfg.draft_hidden} / heads {cfg.draft_heads} / kv heads "
-                         f"{cfg.draft_kv_heads}: hidden must divide by heads, heads by kv heads")
-    intermediate = cfg.draft_intermediate or 32 * math.ceil(cfg.draft_hidden * 8 / 3 / 32)
-    config = LlamaConfig(
-        vocab_size=tc.vocab_size,
-        hidden_size=cfg.draft_hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=cfg.draft_layers,
-        num_attention_heads=cfg.draft_heads,
-        num_key_value_heads=cfg.draft_kv_heads,
-        max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=tc.bos_token_id,
-        eos_token_id=tc.eos_token_id,
-        pad_token_id=getattr(tc, "pad_token_id", None),
-    )
-    torch.manual_seed(cfg.seed)
-    draft = LlamaForCausalLM(config)
-    if cfg.init_embeddings == "pca":
-        init_embeddings_from_target(draft, target)
-    return draft
-
-
-@torch.no_grad()
-def init_embeddings_from_target(draft, target) -> None:
-    """Start the draft's (tied) embeddings from the target's, projected onto
-    their top principal directions: similar tokens start close together."""
-    source = target.get_input_embeddings().weight.float()
-    dest = draft.get_input_embeddings().weight
-    dim = dest.shape[1]
-    if dim > min(source.shape):
-        return
-    centered = source - source.mean(0, keepdim=True)
-    u, s, _ = torch.linalg.svd(centered, full_matrices=False)
-    projected = u[:, :dim] * s[:dim]
-    projected *= dest.std() / projected.std()
-    dest.copy_(projected.to(dest.dtype))
-
-
-def load_or_create_draft(cfg: DistillConfig, target, ckpt_dir: Path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if cfg.resume and (ckpt_dir / "state.json").exists():
-        draft = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32)
-    elif cfg.draft:
-        draft_dir = Path(cfg.draft)
-        if not (draft_dir / "config.json").exists():
-            raise TrainError(f"draft checkpoint not found: {draft_dir} (no config.json)")
-        dconf = AutoConfig.from_pretrained(draft_dir)
-        if dconf.vocab_size != target.config.vocab_size:
-            raise TrainError(f"draft vocab size {dconf.vocab_size} differs from the target's "
-                             f"{target.config.vocab_size}: the draft must share the target's vocabulary")
-        draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
-    else:
-        draft = new_draft(cfg, target)
-    if draft.get_output_embeddings().weight.shape[0] != target.get_output_embeddings().weight.shape[0]:
-        raise TrainError("draft and target output vocabularies differ in size")
-    return draft.train()
-
-
 # ----------------------------------------------------------------------------- data
 
 
-def load_corpus(cfg: DistillConfig, out_dir: Path, eos_id: int) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Tokenize the corpus with the target's tokenizer (cached in <out>/data)."""
-    files = corpus_files(cfg.corpus, cfg.pattern, cfg.exclude)
-    train_files, held_files = split_files(files, cfg.held_out_every)
-    tok_json = Path(cfg.target) / "tokenizer.json"
-    key = hashlib.sha256()
-    for f in files:
-        key.update(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}\n".encode())
-    key.update(tok_json.read_bytes() if tok_json.exists() else str(cfg.target).encode())
-    key.update(str(cfg.held_out_every).encode())
-    digest = key.hexdigest()[:16]
-    data_dir = out_dir / "data"
-    meta_path = data_dir / "meta.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == digest:
-        meta = json.loads(meta_path.read_text())
-        return np.load(data_dir / "train.npy"), np.load(data_dir / "val.npy"), meta
-    tokenizer = _fast_tokenizer(cfg.target)
-    train = tokenize_files(tokenizer, train_files, eos_id)
-    held = tokenize_files(tokenizer, held_files, eos_id)
-    if len(train) == 0:
-        raise TrainError("corpus is empty: its files hold no text")
-    if len(held) == 0:  # a single file: hold out its last 5% of tokens
-        cut = int(len(train) * 0.95)
-        train, held = train[:cut], train[cut:]
-    meta = {"key": digest, "files": len(files), "train_files": len(train_files),
-            "held_out_files": len(held_files), "train_tokens": int(len(train)), "held_out_tokens": int(len(held))}
-    data_dir.mkdir(parents=True, exist_ok=True)
-    np.save(data_dir / "train.npy", train)
-    np.save(data_dir / "val.npy", held)
-    meta_path.write_text(json.dumps(meta, indent=2))
-    return train, held, meta
+class TextCorpus:
+    """Plain text files, tokenized into one stream (cached in <out>/data); random windows, loss everywhere."""
+
+    def __init__(self, cfg: DistillConfig, out_dir: Path, eos_id: int):
+        files = corpus_files(cfg.corpus, cfg.pattern, cfg.exclude)
+        train_files, held_files = split_files(files, cfg.held_out_every)
+        tok_json = Path(cfg.target) / "tokenizer.json"
+        key = hashlib.sha256()
+        for f in files:
+            key.update(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}\n".encode())
+        key.update(tok_json.read_bytes() if tok_json.exists() else str(cfg.target).encode())
+        key.update(str(cfg.held_out_every).encode())
+        digest = key.hexdigest()[:16]
+        data_dir = out_dir / "data"
+        meta_path = data_dir / "meta.json"
+        if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == digest:
+            self.meta = json.loads(meta_path.read_text())
+            self.train, held = np.load(data_dir / "train.npy"), np.load(data_dir / "val.npy")
+        else:
+            tokenizer = _fast_tokenizer(cfg.target)
+            self.train = tokenize_files(tokenizer, train_files, eos_id)
+            held = tokenize_files(tokenizer, held_files, eos_id)
+            if len(self.train) == 0:
+                raise TrainError("corpus is empty: its files hold no text")
+            if len(held) == 0:  # a single file: hold out its last 5% of tokens
+                cut = int(len(self.train) * 0.95)
+                self.train, held = self.train[:cut], self.train[cut:]
+            self.meta = {"key": digest, "files": len(files), "train_files": len(train_files),
+                         "held_out_files": len(held_files), "train_tokens": int(len(self.train)),
+                         "held_out_tokens": int(len(held))}
+            data_dir.mkdir(parents=True, exist_ok=True)
+            np.save(data_dir / "train.npy", self.train)
+            np.save(data_dir / "val.npy", held)
+            meta_path.write_text(json.dumps(self.meta, indent=2))
+        self.cfg = cfg
+        self.windows = eval_windows(held, cfg.seq_len, cfg.eval_windows)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = sample_batch(self.train, step, self.cfg.seed, self.cfg.batch_size, self.cfg.seq_len)
+        return rows[:, :-1], rows[:, 1:]
+
+    def eval_batches(self, batch_size: int = 8):
+        for start in range(0, len(self.windows), batch_size):
+            rows = self.windows[start: start + batch_size]
+            yield rows[:, :-1], rows[:, 1:]
+
+
+class ChatData:
+    """Conversations (chat JSONL), loss on the last assistant turn."""
+
+    def __init__(self, cfg: DistillConfig, path: Path, pad_id: int):
+        from server.tokenizer import load_tokenizer
+
+        examples = load_chat_jsonl(path, load_tokenizer(cfg.target))
+        self.train, held = split_examples(examples, cfg.held_out_every)
+        self.held = held[: cfg.eval_windows]
+        self.cfg, self.pad_id = cfg, pad_id
+        self.meta = {"data": str(path), "conversations": len(examples), "train_conversations": len(self.train),
+                     "held_out_conversations": len(held),
+                     "train_tokens": int(sum(len(e.token_ids) - e.answer_start for e in self.train))}
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        examples = sample_examples(self.train, step, self.cfg.seed, self.cfg.batch_size)
+        return collate(examples, self.cfg.seq_len, self.pad_id)
+
+    def eval_batches(self, batch_size: int = 8):
+        for start in range(0, len(self.held), batch_size):
+            yield collate(self.held[start: start + batch_size], self.cfg.seq_len, self.pad_id)
 
 
 def _fast_tokenizer(target_dir: str):
@@ -228,9 +198,9 @@ def _fast_tokenizer(target_dir: str):
         from tokenizers import Tokenizer
 
         return Tokenizer.from_file(str(tok_json))
-    from transformers import AutoTokenizer
+    from server.tokenizer import load_tokenizer
 
-    hf = AutoTokenizer.from_pretrained(target_dir)
+    hf = load_tokenizer(target_dir)
     if getattr(hf, "backend_tokenizer", None) is None:
         raise TrainError(f"target {target_dir} has no fast tokenizer (tokenizer.json)")
     return hf.backend_tokenizer
@@ -243,6 +213,28 @@ def eos_token_id(target) -> int:
     if eos is None:
         raise TrainError("target config has no eos_token_id")
     return int(eos)
+
+
+def open_data(cfg: DistillConfig, out_dir: Path, target):
+    pad = getattr(target.config, "pad_token_id", None)
+    pad = eos_token_id(target) if pad is None else pad
+    if cfg.corpus:
+        return TextCorpus(cfg, out_dir, eos_token_id(target))
+    path = Path(cfg.data) if cfg.data else generate_answers(cfg, out_dir)
+    return ChatData(cfg, path, pad)
+
+
+def generate_answers(cfg: DistillConfig, out_dir: Path) -> Path:
+    """Self-distillation data: the target's own answers (specserve generate), resumable."""
+    from train import generate
+
+    out = out_dir / "responses.jsonl"
+    argv = ["--target", cfg.target, "--out", str(out), "--max-tokens", str(cfg.generate_max_tokens),
+            "--seed", str(cfg.seed), "--count", str(cfg.generate_count)]
+    if cfg.generate_from != "builtin":
+        argv += ["--prompts", cfg.generate_from]
+    generate.main(argv)
+    return out
 
 
 # ----------------------------------------------------------------------------- losses / eval
@@ -269,31 +261,40 @@ def expected_tokens_per_step(acceptance: float, gamma: int) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
+def _logits(model, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device, bf16: bool):
+    """Logits [N, vocab] at the trained positions (labels != IGNORE) and their labels [N]. The head
+    runs on those positions only: over a 49k vocabulary it costs more than the draft's layers."""
+    mask = labels != IGNORE
+    with autocast(device, bf16):
+        hidden = model.get_decoder()(input_ids=inputs.to(device)).last_hidden_state
+        logits = model.get_output_embeddings()(hidden[mask.to(device)])
+    return logits.float(), labels[mask].to(device)
+
+
 @torch.no_grad()
-def evaluate(target, draft, windows: torch.Tensor, gamma: int, bf16: bool, batch_size: int = 8) -> dict:
-    """Teacher-forced held-out metrics: greedy acceptance, KL, CE of both models."""
+def evaluate(target, draft, data, gamma: int, device: torch.device, bf16: bool) -> dict:
+    """Teacher-forced held-out metrics: greedy acceptance, 1 - TV, KL, CE of both models."""
     was_training = draft.training
     draft.eval()
-    device = torch.device("cpu")
     matches = kl = tv = ce_t = ce_d = 0.0
     count = 0
-    for start in range(0, len(windows), batch_size):
-        rows = windows[start : start + batch_size]
-        inputs, labels = rows[:, :-1], rows[:, 1:].flatten()
-        with autocast(device, bf16):
-            t_logits = target(input_ids=inputs).logits.float().flatten(0, 1)
-            d_logits = draft(input_ids=inputs).logits.float().flatten(0, 1)
-        n = labels.numel()
+    for inputs, labels in data.eval_batches():
+        t_logits, kept = _logits(target, inputs, labels, device, bf16)
+        d_logits, _ = _logits(draft, inputs, labels, device, bf16)
+        n = kept.numel()
         matches += (t_logits.argmax(-1) == d_logits.argmax(-1)).sum().item()
         kl += distill_loss(t_logits, d_logits, "kl").item() * n
         tv += distill_loss(t_logits, d_logits, "tv").item() * n
-        ce_t += F.cross_entropy(t_logits, labels, reduction="sum").item()
-        ce_d += F.cross_entropy(d_logits, labels, reduction="sum").item()
+        ce_t += F.cross_entropy(t_logits, kept, reduction="sum").item()
+        ce_d += F.cross_entropy(d_logits, kept, reduction="sum").item()
         count += n
     draft.train(was_training)
+    if count == 0:
+        raise TrainError("the held-out slice has no trained positions")
     acceptance = matches / count
     return {
         "acceptance": round(acceptance, 4),
+        "sampled_acceptance": round(1 - tv / count, 4),
         "expected_tokens_per_step": round(expected_tokens_per_step(acceptance, gamma), 3),
         "gamma": gamma,
         "kl": round(kl / count, 4),
@@ -305,9 +306,10 @@ def evaluate(target, draft, windows: torch.Tensor, gamma: int, bf16: bool, batch
 
 
 def describe(tag: str, metrics: dict) -> str:
-    return (f"{tag}: greedy acceptance {metrics['acceptance']:.3f}, expected tokens/step at gamma "
-            f"{metrics['gamma']} = {metrics['expected_tokens_per_step']:.2f} (assumes i.i.d. acceptance), "
-            f"KL {metrics['kl']:.3f}, draft CE {metrics['draft_loss']:.3f}, target CE {metrics['target_loss']:.3f}")
+    return (f"{tag}: greedy acceptance {metrics['acceptance']:.3f}, 1 - TV {metrics['sampled_acceptance']:.3f}, "
+            f"expected tokens/step at gamma {metrics['gamma']} = {metrics['expected_tokens_per_step']:.2f} "
+            f"(assumes i.i.d. acceptance), KL {metrics['kl']:.3f}, draft CE {metrics['draft_loss']:.3f}, "
+            f"target CE {metrics['target_loss']:.3f}")
 
 
 # ----------------------------------------------------------------------------- training
@@ -322,16 +324,13 @@ def _optimizer(draft, cfg: DistillConfig):
     )
 
 
-def _train_step(target, draft, optimizer, batch: torch.Tensor, cfg: DistillConfig, bf16: bool) -> float:
-    device = torch.device("cpu")
-    inputs = batch[:, :-1]
-    with torch.no_grad(), autocast(device, bf16):
-        t_logits = target(input_ids=inputs).logits
-    with autocast(device, bf16):
-        d_logits = draft(input_ids=inputs).logits
+def _train_step(target, draft, optimizer, inputs, labels, cfg: DistillConfig, device, bf16: bool) -> float:
+    with torch.no_grad():
+        t_logits, _ = _logits(target, inputs, labels, device, bf16)
+    d_logits, kept = _logits(draft, inputs, labels, device, bf16)
     loss = distill_loss(t_logits, d_logits, cfg.loss)
     if cfg.ce_weight:
-        loss = loss + cfg.ce_weight * F.cross_entropy(d_logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss = loss + cfg.ce_weight * F.cross_entropy(d_logits, kept)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
@@ -353,21 +352,53 @@ def _progress(cfg: DistillConfig, start: int):
                 mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
 
 
-def distill(cfg: DistillConfig, log=print) -> dict:
-    """Run (or resume) a distillation; returns the stats also written to <out>/distill_stats.json."""
-    set_threads(cfg.threads)
-    set_seed(cfg.seed)
+def _device(cfg: DistillConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def _draft(cfg: DistillConfig, target, ckpt_dir: Path):
+    if cfg.resume and (ckpt_dir / "state.json").exists():
+        draft = hf_model(ckpt_dir)
+    elif cfg.draft:
+        draft = load_existing_draft(cfg.draft, target)
+    elif cfg.draft_from_target_layers:
+        draft = draft_from_target_layers(target, list(cfg.draft_from_target_layers))
+    else:
+        draft = new_draft(target, cfg.draft_layers, cfg.draft_hidden, cfg.draft_heads, cfg.draft_kv_heads,
+                          cfg.draft_intermediate, cfg.init_embeddings, cfg.seed)
+    if draft.get_output_embeddings().weight.shape[0] != target.get_output_embeddings().weight.shape[0]:
+        raise TrainError("draft and target output vocabularies differ in size")
+    return draft.float().train()
+
+
+def _check(cfg: DistillConfig) -> None:
+    if sum(bool(source) for source in (cfg.corpus, cfg.data, cfg.generate_from)) != 1:
+        raise TrainError("give exactly one of --corpus, --data and --generate-from")
     if cfg.loss not in ("kl", "tv"):
         raise TrainError(f"unknown loss {cfg.loss!r} (kl or tv)")
     if cfg.save_dtype not in SAVE_DTYPES:
         raise TrainError(f"unknown save dtype {cfg.save_dtype!r} ({', '.join(SAVE_DTYPES)})")
+    if cfg.save_format not in ("safetensors", "gguf"):
+        raise TrainError(f"unknown save format {cfg.save_format!r} (safetensors or gguf)")
+    if cfg.corpus:
+        corpus_files(cfg.corpus, cfg.pattern, cfg.exclude)  # fail on a missing / empty corpus before loading models
+    if cfg.data and not Path(cfg.data).is_file():
+        raise TrainError(f"chat data not found: {cfg.data}")
+
+
+def distill(cfg: DistillConfig, log=print) -> dict:
+    """Run (or resume) a distillation; returns the stats also written to <out>/distill_stats.json."""
+    set_threads(cfg.threads)
+    set_seed(cfg.seed)
+    _check(cfg)
     out_dir, ckpt_dir = Path(cfg.out), Path(cfg.out) / "checkpoint"
-    bf16 = resolve_precision(cfg.precision, torch.device("cpu"))
-    corpus_files(cfg.corpus, cfg.pattern, cfg.exclude)  # fail on a missing / empty corpus before loading models
-    target = load_target(cfg.target)
-    draft = load_or_create_draft(cfg, target, ckpt_dir)
-    train_tokens, held_tokens, data_meta = load_corpus(cfg, out_dir, eos_token_id(target))
-    windows = eval_windows(held_tokens, cfg.seq_len, cfg.eval_windows)
+    device = _device(cfg)
+    bf16 = resolve_precision(cfg.precision, device)
+    target = load_target(cfg.target, device)
+    data = open_data(cfg, out_dir, target)
+    draft = _draft(cfg, target, ckpt_dir).to(device)
     optimizer = _optimizer(draft, cfg)
     resuming = cfg.resume and (ckpt_dir / "state.json").exists()
     if resuming:
@@ -376,10 +407,9 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     else:
         state = {"step": 0, "tokens": 0, "train_seconds": 0.0}
     log(f"target {count_params(target) / 1e6:.2f}M params, draft {count_params(draft) / 1e6:.2f}M params, "
-        f"{'bf16 autocast' if bf16 else 'fp32'}; corpus {data_meta['train_tokens']:,} train / "
-        f"{data_meta['held_out_tokens']:,} held-out tokens")
+        f"{device.type}, {'bf16' if bf16 else 'fp32'}; data {data.meta}")
     if "before" not in state:
-        state["before"] = evaluate(target, draft, windows, cfg.gamma, bf16)
+        state["before"] = evaluate(target, draft, data, cfg.gamma, device, bf16)
     log(describe("before", state["before"]))
 
     meter, bar = Throughput(), _progress(cfg, state["step"])
@@ -395,9 +425,9 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         step = state["step"]
         for group in optimizer.param_groups:
             group["lr"] = _lr(cfg, step, state["train_seconds"] / budget_s if budget_s else None)
-        batch = sample_batch(train_tokens, step, cfg.seed, cfg.batch_size, cfg.seq_len)
-        loss = _train_step(target, draft, optimizer, batch, cfg, bf16)
-        n_tok = batch[:, 1:].numel()
+        inputs, labels = data.batch(step)
+        loss = _train_step(target, draft, optimizer, inputs, labels, cfg, device, bf16)
+        n_tok = int((labels != IGNORE).sum())
         state["step"] += 1
         state["tokens"] += n_tok
         state["last_loss"] = round(loss, 4)
@@ -407,18 +437,18 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{meter.update(n_tok):.0f}", refresh=False)
         bar.update(1)
         if state["step"] % cfg.ckpt_every == 0 or done():
-            save_checkpoint(ckpt_dir, draft, optimizer, state, Path(cfg.target))
+            save_checkpoint(ckpt_dir, draft, optimizer, state, None)
     bar.close()
     if state["step"] < steps and not (budget_s and state["train_seconds"] >= budget_s):
         log(f"stopped at step {state['step']} of {cfg.steps}; continue with --resume")
         return {"steps": state["step"], "train_tokens": state["tokens"], "stopped": True, **state}
 
-    state["after"] = evaluate(target, draft, windows, cfg.gamma, bf16)
+    state["after"] = evaluate(target, draft, data, cfg.gamma, device, bf16)
     log(describe("after", state["after"]))
-    export_model(draft, out_dir, None, SAVE_DTYPES[cfg.save_dtype])
-    copy_tokenizer_files(Path(cfg.target), out_dir)
+    saved = export_draft(draft.cpu(), out_dir, Path(cfg.target), cfg.save_format, cfg.save_dtype, cfg.gguf_type)
     stats = {
         "target": str(cfg.target),
+        "draft": str(saved),
         "target_params": count_params(target),
         "draft_params": count_params(draft),
         "steps": state["step"],
@@ -428,11 +458,13 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         "loss": cfg.loss,
         "ce_weight": cfg.ce_weight,
         "precision": "bf16" if bf16 else "fp32",
-        "corpus": data_meta,
+        "device": device.type,
+        "data": data.meta,
         "before": state["before"],
         "after": state["after"],
-        "note": "acceptance = fraction of held-out positions where draft argmax == target argmax "
-                "(teacher-forced); expected tokens/step = (1 - a^(g+1)) / (1 - a), assuming i.i.d. acceptance",
+        "note": "acceptance = fraction of held-out trained positions where draft argmax == target argmax "
+                "(teacher-forced); sampled_acceptance = 1 - TV(target, draft); expected tokens/step = "
+                "(1 - a^(g+1)) / (1 - a), assuming i.i.d. acceptance",
     }
     (out_dir / "distill_stats.json").write_text(json.dumps(stats, indent=2))
     return stats
@@ -442,15 +474,22 @@ def distill(cfg: DistillConfig, log=print) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = DistillConfig(target="", corpus=[], out="")
+    d = DistillConfig(target="", out="")
     p = argparse.ArgumentParser(prog="specserve distill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="target Hugging Face model directory")
-    p.add_argument("--corpus", nargs="+", required=True, help="text files and/or directories")
+    p.add_argument("--target", required=True, help="target model: Hugging Face directory or GGUF file")
+    p.add_argument("--out", required=True, help="output directory (final draft + checkpoint/)")
+    p.add_argument("--corpus", nargs="+", default=None, help="text files and/or directories (loss everywhere)")
+    p.add_argument("--data", default=None, help="chat JSONL ({\"messages\": [...]}, loss on the last answer)")
+    p.add_argument("--generate-from", default=None, metavar="PROMPTS",
+                   help="prompts JSONL (or 'builtin'): the target answers them first, into <out>/responses.jsonl")
+    p.add_argument("--generate-count", type=int, default=d.generate_count)
+    p.add_argument("--generate-max-tokens", type=int, default=d.generate_max_tokens)
     p.add_argument("--pattern", default=None, help="glob for files inside corpus directories, e.g. '*.py'")
     p.add_argument("--exclude", nargs="*", default=None, help="skip directories with these names")
-    p.add_argument("--out", required=True, help="output directory (final draft + checkpoint/)")
     p.add_argument("--draft", default=None, help="existing draft checkpoint to start from")
+    p.add_argument("--draft-from-target-layers", type=int, nargs="+", default=None, metavar="LAYER",
+                   help="start from the target itself, keeping only these decoder layers")
     p.add_argument("--draft-layers", type=int, default=d.draft_layers)
     p.add_argument("--draft-hidden", type=int, default=d.draft_hidden)
     p.add_argument("--draft-heads", type=int, default=d.draft_heads)
@@ -464,8 +503,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--loss", choices=["kl", "tv"], default=d.loss)
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=d.precision,
-                   help="bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16)")
+                   help="bf16 autocast or fp32 (auto: bf16 on CUDA, and on CPUs with native bf16)")
+    p.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--save-format", choices=["safetensors", "gguf"], default=d.save_format)
     p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default=d.save_dtype)
+    p.add_argument("--gguf-type", default=d.gguf_type, help="matrix type with --save-format gguf (Q8_0, F16, ...)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
     p.add_argument("--time-budget-min", type=float, default=0.0,
