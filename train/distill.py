@@ -261,6 +261,12 @@ def expected_tokens_per_step(acceptance: float, gamma: int) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
+def _shared_vocab(target_logits: torch.Tensor, draft_logits: torch.Tensor):
+    """Both models' logits over the rows both embedding tables have (one tokenizer, tables padded apart)."""
+    n = min(target_logits.shape[-1], draft_logits.shape[-1])
+    return target_logits[..., :n], draft_logits[..., :n]
+
+
 def _logits(model, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device, bf16: bool):
     """Logits [N, vocab] at the trained positions (labels != IGNORE) and their labels [N]. The head
     runs on those positions only: over a 49k vocabulary it costs more than the draft's layers."""
@@ -281,6 +287,7 @@ def evaluate(target, draft, data, gamma: int, device: torch.device, bf16: bool) 
     for inputs, labels in data.eval_batches():
         t_logits, kept = _logits(target, inputs, labels, device, bf16)
         d_logits, _ = _logits(draft, inputs, labels, device, bf16)
+        t_logits, d_logits = _shared_vocab(t_logits, d_logits)
         n = kept.numel()
         matches += (t_logits.argmax(-1) == d_logits.argmax(-1)).sum().item()
         kl += distill_loss(t_logits, d_logits, "kl").item() * n
@@ -328,6 +335,7 @@ def _train_step(target, draft, optimizer, inputs, labels, cfg: DistillConfig, de
     with torch.no_grad():
         t_logits, _ = _logits(target, inputs, labels, device, bf16)
     d_logits, kept = _logits(draft, inputs, labels, device, bf16)
+    t_logits, d_logits = _shared_vocab(t_logits, d_logits)
     loss = distill_loss(t_logits, d_logits, cfg.loss)
     if cfg.ce_weight:
         loss = loss + cfg.ce_weight * F.cross_entropy(d_logits, kept)
@@ -362,14 +370,12 @@ def _draft(cfg: DistillConfig, target, ckpt_dir: Path):
     if cfg.resume and (ckpt_dir / "state.json").exists():
         draft = hf_model(ckpt_dir)
     elif cfg.draft:
-        draft = load_existing_draft(cfg.draft, target)
+        draft = load_existing_draft(cfg.draft, target, cfg.target)
     elif cfg.draft_from_target_layers:
         draft = draft_from_target_layers(target, list(cfg.draft_from_target_layers))
     else:
         draft = new_draft(target, cfg.draft_layers, cfg.draft_hidden, cfg.draft_heads, cfg.draft_kv_heads,
                           cfg.draft_intermediate, cfg.init_embeddings, cfg.seed)
-    if draft.get_output_embeddings().weight.shape[0] != target.get_output_embeddings().weight.shape[0]:
-        raise TrainError("draft and target output vocabularies differ in size")
     return draft.float().train()
 
 

@@ -121,14 +121,17 @@ def init_embeddings_from_target(draft, target) -> None:
     dest.copy_(projected.to(dest.dtype))
 
 
-def load_existing_draft(path: str, target):
+def load_existing_draft(path: str, target, target_path: str):
+    """A draft checkpoint to keep training; it must tokenize like the target."""
     draft_dir = Path(path)
     if find_gguf(draft_dir) is None and not (draft_dir / "config.json").exists():
         raise TrainError(f"draft checkpoint not found: {draft_dir} (no config.json)")
-    dconf = model_config(draft_dir)
-    if dconf.vocab_size != target.config.vocab_size:
-        raise TrainError(f"draft vocab size {dconf.vocab_size} differs from the target's "
-                         f"{target.config.vocab_size}: the draft must share the target's vocabulary")
+    from engine.models.loader import check_same_tokenizer
+
+    try:   # tokenizers compared, so tables padded to different sizes (Qwen2.5 0.5B vs 7B) are fine
+        check_same_tokenizer(target_path, target.config, draft_dir, model_config(draft_dir))
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
     return hf_model(draft_dir, torch.float32)
 
 
