@@ -1,0 +1,268 @@
+"""Spec-Bench on the default target: draft-model vs n-gram vs no speculation, side by side in one run,
+with transformers' assisted generation and prompt lookup as the peers.
+
+    python bench/spec_bench.py [--config configs/default.yaml] [--per-category 3] [--max-tokens 128]
+                               [--concurrency 1 8] [--no-peers] [--json results.json]
+
+Questions: ../shared/data/spec_bench/question_dev.jsonl (the development half; the first
+--per-category of each category, by question id). Multi-turn questions run turn by turn, the
+model's own answer in the context of the next turn, as Spec-Bench does. Greedy decoding.
+
+For each concurrency (requests in flight at once) and each method it prints, per category and
+pooled: acceptance (accepted / proposed draft tokens), tokens per target forward, and the speedup
+over plain decoding (time per generated token, plain / method). Per-category speedups come from the
+concurrency-1 run, where each conversation is timed alone. The peers run at concurrency 1 on the
+same prompts, dtype and token limit. The measured cost of verifying gamma + 1 tokens, in decode
+steps, is printed first: on CPUs without native bf16 it is what limits the speedup.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(__file__))
+from common import timed  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.model_runner import ForwardItem  # noqa: E402
+from server.config import load_config  # noqa: E402
+
+QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
+
+
+def load_questions(path: Path, per_category: int) -> list[dict]:
+    rows = sorted((json.loads(line) for line in open(path) if line.strip()), key=lambda r: r["question_id"])
+    taken: dict[str, int] = defaultdict(int)
+    selected = []
+    for row in rows:
+        if taken[row["category"]] < per_category:
+            taken[row["category"]] += 1
+            selected.append(row)
+    return selected
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class Run:
+    """Totals of one method at one concurrency, per category."""
+
+    def __init__(self):
+        self.tokens = defaultdict(int)
+        self.seconds = defaultdict(float)
+        self.proposed = defaultdict(int)
+        self.accepted = defaultdict(int)
+        self.forwards = defaultdict(int)
+        self.answers: dict[tuple[int, int], list[int]] = {}
+        self.wall = 0.0
+
+    def add(self, category: str, output, seconds: float | None = None) -> None:
+        self.tokens[category] += len(output.token_ids)
+        self.proposed[category] += output.spec.proposed
+        self.accepted[category] += output.spec.accepted
+        self.forwards[category] += output.spec.target_forwards
+        if seconds is not None:
+            self.seconds[category] += seconds
+
+    def pooled(self, field: str) -> float:
+        return sum(getattr(self, field).values())
+
+
+def run_engine(llm: LLM, questions: list[dict], max_tokens: int, concurrency: int) -> Run:
+    """Every conversation turn by turn; at concurrency 1 one at a time (timed alone), else all of a turn
+    submitted together, the engine keeping `concurrency` in flight."""
+    tokenizer, run = llm.tokenizer, Run()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    histories = {q["question_id"]: [] for q in questions}
+    start = time.perf_counter()
+    for turn in range(max(len(q["turns"]) for q in questions)):
+        active = [q for q in questions if turn < len(q["turns"])]
+        for q in active:
+            histories[q["question_id"]].append({"role": "user", "content": q["turns"][turn]})
+        prompts = [chat_ids(tokenizer, histories[q["question_id"]]) for q in active]
+        if concurrency == 1:
+            outputs, seconds = [], []
+            for prompt in prompts:
+                t0 = time.perf_counter()
+                outputs += llm.generate([prompt], params)
+                seconds.append(time.perf_counter() - t0)
+        else:
+            outputs, seconds = llm.generate(prompts, params), [None] * len(prompts)
+        for q, output, elapsed in zip(active, outputs, seconds):
+            run.add(q["category"], output, elapsed)
+            run.answers[(q["question_id"], turn)] = output.token_ids
+            histories[q["question_id"]].append({"role": "assistant", "content": output.text})
+    run.wall = time.perf_counter() - start
+    return run
+
+
+def verification_cost(llm: LLM, gamma: int, context: int = 256) -> float:
+    """Time of one target pass over gamma + 1 new tokens / one over a single token, batch 1, bf16 as served."""
+    engine = llm.engine
+    table: list[int] = []
+    assert engine.pool.allocate(table, context + gamma + 1)
+    try:
+        tokens = [(100 + i) % engine.vocab_size for i in range(context + gamma + 1)]
+        def step(n: int):
+            return lambda: engine.target.forward([ForwardItem(tokens[context:context + n], context, table, n)])
+        return timed(step(gamma + 1), 5) / timed(step(1), 5)
+    finally:
+        engine.pool.free(table)
+
+
+def run_peer(target, tokenizer, questions: list[dict], max_tokens: int, **generate_kwargs) -> Run:
+    """transformers' generate, one conversation at a time, greedy, same prompts and limits."""
+    run = Run()
+    start = time.perf_counter()
+    for q in questions:
+        history = []
+        for turn, text in enumerate(q["turns"]):
+            history.append({"role": "user", "content": text})
+            ids = torch.tensor([chat_ids(tokenizer, history)])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                      do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.eos_token_id, **generate_kwargs)
+            elapsed = time.perf_counter() - t0
+            new = out[0, ids.shape[1]:].tolist()
+            run.tokens[q["category"]] += len(new)
+            run.seconds[q["category"]] += elapsed
+            history.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})
+    run.wall = time.perf_counter() - start
+    return run
+
+
+def per_token(run: Run, category: str | None = None) -> float:
+    if category is None:
+        return (run.pooled("seconds") or run.wall) / max(run.pooled("tokens"), 1)
+    return run.seconds[category] / max(run.tokens[category], 1)
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
+
+
+def report(runs: dict[str, Run], concurrency: int, categories: list[str]) -> list[str]:
+    lines = [f"\n## concurrency {concurrency}\n",
+             "| category | draft accept | draft tok/fwd | draft speedup | ngram accept | ngram tok/fwd | ngram speedup |",
+             "|---|---|---|---|---|---|---|"]
+    plain = runs["none"]
+    rows = categories + ["pooled"] if concurrency == 1 else ["pooled"]
+    for category in rows:
+        cells = [category]
+        for method in ("draft", "ngram"):
+            run = runs[method]
+            if category == "pooled":
+                accept = ratio(run.pooled("accepted"), run.pooled("proposed"))
+                per_forward = ratio(run.pooled("tokens"), run.pooled("forwards"))
+                speedup = ratio(plain.wall / max(plain.pooled("tokens"), 1), run.wall / max(run.pooled("tokens"), 1))
+            else:
+                accept = ratio(run.accepted[category], run.proposed[category])
+                per_forward = ratio(run.tokens[category], run.forwards[category])
+                speedup = ratio(per_token(plain, category), per_token(run, category))
+            cells += [f"{accept:.2f}", f"{per_forward:.2f}", f"{speedup:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    tokens_per_s = {m: run.pooled("tokens") / run.wall for m, run in runs.items()}
+    lines.append("\nthroughput (tokens/s): " + ", ".join(f"{m} {v:.1f}" for m, v in tokens_per_s.items()))
+    same = sum(runs["draft"].answers[k] == plain.answers[k] for k in plain.answers)
+    lines.append(f"greedy answers identical to plain decoding: draft {same}/{len(plain.answers)}, ngram "
+                 f"{sum(runs['ngram'].answers[k] == plain.answers[k] for k in plain.answers)}/{len(plain.answers)} "
+                 "(bf16 results depend on the batch shape, so a few may diverge)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    p.add_argument("--questions", default=str(QUESTIONS))
+    p.add_argument("--per-category", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--peer-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--no-peers", dest="peers", action="store_false")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+
+    config = load_config(args.config, environ={}).engine
+    spec = config.speculative
+    questions = load_questions(Path(args.questions), args.per_category)
+    categories = sorted({q["category"] for q in questions})
+    methods = {"none": None, "ngram": {"method": "ngram", "num_speculative_tokens": spec.gamma},
+               "draft": {"method": "draft", "model": spec.model, "num_speculative_tokens": spec.gamma}}
+    lines = [f"# Spec-Bench dev: {len(questions)} questions ({args.per_category} per category), greedy, "
+             f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
+    results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}
+    for concurrency in args.concurrency:
+        runs = {}
+        for name, speculative in methods.items():
+            llm = LLM(config.model, dtype=config.dtype, max_num_seqs=concurrency,
+                      **({"speculative": speculative} if speculative else {}))
+            if name == "none" and concurrency == args.concurrency[0]:
+                cost = verification_cost(llm, spec.gamma)
+                lines.append(f"dtype {str(llm.engine.dtype).replace('torch.', '')}: verifying {spec.gamma + 1} tokens "
+                             f"costs {cost:.2f} decode steps (batch 1)")
+                results["verify_cost"] = cost
+            llm.generate([chat_ids(llm.tokenizer, [{"role": "user", "content": "Hello!"}])],
+                         SamplingParams(max_tokens=8, temperature=0.0))   # warm-up
+            runs[name] = run_engine(llm, questions, args.max_tokens, concurrency)
+            print(f"{name} at concurrency {concurrency}: {runs[name].pooled('tokens')} tokens in "
+                  f"{runs[name].wall:.1f} s", file=sys.stderr, flush=True)
+            del llm
+        lines += report(runs, concurrency, categories)
+        results[f"c{concurrency}"] = {m: {"tokens": r.pooled("tokens"), "seconds": r.wall,
+                                          "proposed": r.pooled("proposed"), "accepted": r.pooled("accepted"),
+                                          "target_forwards": r.pooled("forwards")} for m, r in runs.items()}
+        if concurrency == 1:
+            ours = runs
+    if args.peers and 1 in args.concurrency:
+        lines += peers(config, spec, questions, args, ours, results)
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def peers(config, spec, questions, args, ours: dict[str, Run], results: dict) -> list[str]:
+    from engine.models.loader import load_hf_config
+    from engine.setup import resolve_dtype
+    from server.tokenizer import load_tokenizer
+    from train.draft_models import hf_model
+
+    torch_dtype = resolve_dtype(config.dtype, load_hf_config(config.model), torch.device("cpu"))   # as we serve
+    tokenizer = load_tokenizer(config.model)
+    target = hf_model(config.model, torch_dtype).eval()
+    draft = hf_model(spec.model, torch_dtype).eval()
+    draft.generation_config.num_assistant_tokens = spec.gamma
+    peer_runs = {
+        "transformers plain": run_peer(target, tokenizer, questions, args.max_tokens),
+        "transformers assisted (our draft)": run_peer(target, tokenizer, questions, args.max_tokens,
+                                                      assistant_model=draft),
+        f"transformers prompt lookup ({args.peer_lookup_tokens})": run_peer(
+            target, tokenizer, questions, args.max_tokens, prompt_lookup_num_tokens=args.peer_lookup_tokens),
+    }
+    ours_draft = per_token(ours["draft"])
+    lines = ["\n## peers, concurrency 1 (same prompts, greedy, same dtype)\n",
+             "| run | tokens/s | speedup over transformers plain | specserve draft is faster by |",
+             "|---|---|---|---|"]
+    hf_plain = per_token(peer_runs["transformers plain"])
+    for name, run in {**{f"specserve {m}": r for m, r in ours.items()}, **peer_runs}.items():
+        lines.append(f"| {name} | {1 / per_token(run):.1f} | {ratio(hf_plain, per_token(run)):.2f}x | "
+                     f"{ratio(per_token(run), ours_draft):.2f}x |")
+        results.setdefault("peers", {})[name] = {"tokens": run.pooled("tokens"), "seconds": run.pooled("seconds")}
+    return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
