@@ -43,3 +43,17 @@ def test_engine_on_cuda_matches_cpu(tmp_path):
     gpu = LLM(str(path), dtype="float32", device="cuda", speculative=spec).generate(prompts, params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
     assert all(o.spec.accepted == o.spec.proposed for o in gpu)
+
+
+def test_bf16_target_with_fp32_draft_on_cuda(tmp_path):
+    """Each runner decides flash-attn from its own dtype: a bf16 target may take the flash path while its
+    fp32 draft must not (flash-attn has no fp32 kernels)."""
+    from engine import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(tmp_path / "tiny", arch="llama", seed=0)
+    spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 3, "dtype": "float32"}
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", speculative=spec)
+    assert not llm.engine.proposer.runner.use_flash
+    assert llm.engine.target.use_flash == flash_available(torch.device("cuda"))
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 12 and out.spec.proposed > 0
