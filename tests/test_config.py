@@ -121,10 +121,13 @@ def test_help_documents_every_option():
                  "--log-level"):
         assert flag in help_text
     top = build_parser().format_help()
-    assert "distill" in top and "train-default" in top
+    for command in ("distill", "train-default", "generate", "convert-gguf", "prepare-default"):
+        assert command in top
 
 
-@pytest.mark.parametrize("command, module", [("distill", "train.distill"), ("train-default", "train.default")])
+@pytest.mark.parametrize("command, module", [("distill", "train.distill"), ("train-default", "train.default"),
+                                             ("generate", "train.generate"), ("convert-gguf", "engine.models.gguf"),
+                                             ("prepare-default", "server.prepare")])
 def test_training_subcommands_forward_argv(monkeypatch, command, module):
     calls = []
     monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(main=lambda argv: calls.append(argv) or 0))
