@@ -1,7 +1,7 @@
 """Spec-Bench on the default target: draft-model vs n-gram vs no speculation, side by side in one run,
 with transformers' assisted generation and prompt lookup as the peers.
 
-    python bench/spec_bench.py [--config configs/default.yaml] [--per-category 3] [--max-tokens 128]
+    python bench/spec_bench.py [--config configs/smollm2-draft.yaml] [--per-category 3] [--max-tokens 128]
                                [--concurrency 1 8] [--no-peers] [--json results.json]
 
 Questions: ../shared/data/spec_bench/question_dev.jsonl (the development half; the first
@@ -185,7 +185,7 @@ def report(runs: dict[str, Run], concurrency: int, categories: list[str]) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    p.add_argument("--config", default=str(ROOT / "configs" / "smollm2-draft.yaml"), help="a draft-model pair config")
     p.add_argument("--questions", default=str(QUESTIONS))
     p.add_argument("--per-category", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)

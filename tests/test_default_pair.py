@@ -1,80 +1,79 @@
-"""The committed default pair (models/): loads in the engine, its draft agrees with the target on
-held-out code, and speculative greedy output equals plain greedy output (fp32)."""
+"""The default target (configs/default.yaml): SmolLM2-135M-Instruct, prepared from the package registry
+by `make test` / `make serve`, and the committed draft made for it (configs/smollm2-draft.yaml). The
+target answers a real question; the draft's acceptance measured in the engine on pinned prompts
+(written here, in neither the training prompts nor Spec-Bench) stays at what the committed draft
+reached; speculative greedy output equals plain greedy output (fp32), for the draft and for the
+default config's n-gram speculation."""
+import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model_runner import ForwardItem
+from engine import LLM, SamplingParams
+from server.config import read_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET, DRAFT = ROOT / "models" / "default-target", ROOT / "models" / "default-draft"
-GAMMA = 4
-WINDOW = 256
+DEFAULT = read_yaml(str(ROOT / "configs" / "default.yaml"))
+PAIR = read_yaml(str(ROOT / "configs" / "smollm2-draft.yaml"))
+TARGET, DRAFT = ROOT / DEFAULT["model"], ROOT / PAIR["speculative"]["model"]
+GAMMA = PAIR["speculative"]["num_speculative_tokens"]
+PINNED_PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a short thank-you note to a neighbor who watered my plants.",
+    "List three tips for staying focused while studying.",
+    "How do I make a cup of green tea?",
+]
+MIN_ACCEPTANCE = 0.08   # the committed draft measures 0.096 here (50 of 521, fp32, gamma 4); see models/README.md
 
-pytestmark = pytest.mark.skipif(not ((TARGET / "config.json").exists() and (DRAFT / "config.json").exists()),
-                                reason="the default pair is not in models/ (specserve train-default makes it)")
+if not (TARGET / "config.json").exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{TARGET} is missing: `make test` prepares it (specserve prepare-default)")
+    pytest.skip("the default target is not prepared: run `make target`", allow_module_level=True)
+
+
+def chat(llm: LLM, question: str) -> list[int]:
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return Engine(EngineConfig(model=str(TARGET), dtype="float32", speculative={
-        "method": "draft", "model": str(DRAFT), "num_speculative_tokens": GAMMA}))
+def plain():
+    return LLM(str(TARGET), dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def held_out_windows():
-    """Token windows from the standard-library files the pair was not trained on."""
-    from transformers import AutoTokenizer
-
-    from train.common import split_files, stdlib_files
-
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    _, held_out = split_files(stdlib_files())
-    windows = []
-    for path in held_out[:40]:
-        ids = tokenizer.encode(path.read_text(errors="replace"))
-        windows += [ids[i:i + WINDOW] for i in range(0, len(ids) - WINDOW, 4 * WINDOW)][:2]
-    return windows[:24]
+def speculative():
+    return LLM(str(TARGET), dtype="float32", speculative={"method": "draft", "model": str(DRAFT),
+                                                          "num_speculative_tokens": GAMMA})
 
 
-def argmax_all_positions(engine: Engine, runner, tokens: list[int]) -> torch.Tensor:
-    table = []
-    assert engine.pool.allocate(table, len(tokens))
-    try:
-        return runner.forward([ForwardItem(tokens, 0, table, len(tokens))]).argmax(dim=-1)
-    finally:
-        engine.pool.free(table)
+def test_the_target_answers_a_question(plain):
+    out = plain.generate([chat(plain, "What is the capital of France?")], SamplingParams(max_tokens=16, temperature=0))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
 
 
-def test_draft_agrees_with_target_on_held_out_code(engine, held_out_windows):
-    """Greedy acceptance: the fraction of positions where the draft's argmax is the target's."""
-    agree = total = 0
-    for tokens in held_out_windows:
-        target = argmax_all_positions(engine, engine.target, tokens)
-        draft = argmax_all_positions(engine, engine.proposer.runner, tokens)
-        agree += int((target == draft).sum())
-        total += len(tokens)
-    acceptance = agree / total
-    print(f"held-out greedy acceptance {acceptance:.3f} over {total} positions")
-    assert acceptance >= 0.6
+def test_the_draft_is_a_small_gguf_sharing_the_tokenizer(speculative):
+    draft_files = list(DRAFT.glob("*.gguf"))
+    assert len(draft_files) == 1 and draft_files[0].stat().st_size <= 48 * 2**20
+    assert speculative.engine.method == "draft"
 
 
-def test_speculative_greedy_equals_plain_greedy(engine, held_out_windows):
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    plain = Engine(EngineConfig(model=str(TARGET), dtype="float32"))
-    prompts = [w[:48] for w in held_out_windows[:6]]
-    outputs = {}
-    for name, eng in (("plain", plain), ("spec", engine)):
-        for i, prompt in enumerate(prompts):
-            eng.add_request(f"{name}-{i}", prompt, params)
-        tokens = {f"{name}-{i}": [] for i in range(len(prompts))}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                tokens[out.request_id].extend(out.new_token_ids)
-        outputs[name] = [tokens[f"{name}-{i}"] for i in range(len(prompts))]
-    assert outputs["spec"] == outputs["plain"]
-    assert engine.totals.num_accepted_tokens > 0
+def test_default_config_speculation_is_lossless(plain):
+    spec = dict(DEFAULT["speculative"])
+    llm = LLM(str(TARGET), dtype="float32", speculative=spec)
+    params = SamplingParams(max_tokens=32, temperature=0)
+    prompts = [chat(plain, q) for q in PINNED_PROMPTS[:2]]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_engine_acceptance_on_pinned_prompts_and_lossless(plain, speculative):
+    params = SamplingParams(max_tokens=48, temperature=0)
+    prompts = [chat(plain, q) for q in PINNED_PROMPTS]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    outputs = speculative.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    proposed = sum(o.spec.proposed for o in outputs)
+    accepted = sum(o.spec.accepted for o in outputs)
+    print(f"default pair: accepted {accepted} of {proposed} drafted tokens ({accepted / proposed:.3f})")
+    assert accepted / proposed >= MIN_ACCEPTANCE
