@@ -232,7 +232,8 @@ def test_distill_chat_data_from_target_layers_into_a_gguf_draft(chat_target, tmp
 
 
 def test_generate_then_distill_resumes_the_answers(chat_target, tmp_path):
-    from train.generate import main as generate_main, read_jsonl
+    from train.common import read_jsonl
+    from train.generate import main as generate_main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"say {w}"}]}) + "\n"

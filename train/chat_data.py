@@ -10,14 +10,13 @@ and evaluated: the prompt is context, not something the draft will ever be asked
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from train.common import TrainError
+from train.common import TrainError, numbered_jsonl
 
 IGNORE = -100   # label of a position that is not trained (prompt, padding)
 
@@ -49,25 +48,18 @@ def load_chat_jsonl(path, tokenizer) -> list[ChatExample]:
     if not path.is_file():
         raise TrainError(f"chat data not found: {path}")
     examples = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TrainError(f"{path}:{number}: not JSON ({exc})") from None
-            if "prompt_token_ids" in row and "response_token_ids" in row:
-                prompt, answer = row["prompt_token_ids"], row["response_token_ids"]
-                if answer:
-                    examples.append(ChatExample(np.asarray(prompt + answer, dtype=np.int64), len(prompt)))
-                continue
-            if not isinstance(row.get("messages"), list):
-                raise TrainError(f"{path}:{number}: needs \"messages\" (a list of chat turns)")
-            try:
-                examples.append(render(tokenizer, row["messages"]))
-            except TrainError as exc:
-                raise TrainError(f"{path}:{number}: {exc}") from None
+    for number, row in numbered_jsonl(path):
+        if "prompt_token_ids" in row and "response_token_ids" in row:
+            prompt, answer = row["prompt_token_ids"], row["response_token_ids"]
+            if answer:
+                examples.append(ChatExample(np.asarray(prompt + answer, dtype=np.int64), len(prompt)))
+            continue
+        if not isinstance(row.get("messages"), list):
+            raise TrainError(f"{path}:{number}: needs \"messages\" (a list of chat turns)")
+        try:
+            examples.append(render(tokenizer, row["messages"]))
+        except TrainError as exc:
+            raise TrainError(f"{path}:{number}: {exc}") from None
     if not examples:
         raise TrainError(f"{path} holds no conversations")
     return examples

@@ -43,6 +43,23 @@ class TrainError(Exception):
 # ----------------------------------------------------------------------------- corpus
 
 
+def numbered_jsonl(path):
+    """(line number, object) for each non-blank line of a JSONL file; a line that is not JSON is a
+    TrainError naming it."""
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TrainError(f"{path}:{number}: not JSON ({exc})") from None
+
+
+def read_jsonl(path) -> list:
+    return [row for _, row in numbered_jsonl(path)]
+
+
 def corpus_files(paths: list[str | Path], pattern: str | None = None,
                  exclude: list[str] | None = None) -> list[Path]:
     """Expand files and directories into a sorted list of text files.

@@ -78,7 +78,7 @@ def step_draft(args, target: Path, answers: Path, run_dir: Path, models_dir: Pat
 def held_out_acceptance(target: Path, draft: Path, answers: Path, gamma: int, count: int = 16) -> dict:
     """Greedy speculative decoding in specserve's engine on held-out conversations' prompts."""
     from engine import LLM, SamplingParams
-    from train.generate import read_jsonl
+    from train.common import read_jsonl
 
     rows = read_jsonl(answers)[::50][:count]   # the split `specserve distill` holds out
     llm = LLM(str(target), speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": gamma})

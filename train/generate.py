@@ -24,25 +24,13 @@ import time
 from pathlib import Path
 
 from train import prompts as builtin
-
-
-def read_jsonl(path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"specserve generate: error: {path}:{number}: not JSON ({exc})") from None
-    return rows
+from train.common import TrainError, numbered_jsonl, read_jsonl
 
 
 def user_prompts(path) -> list[dict]:
     """Prompts from a JSONL file: each line's messages, ending in a user turn."""
     rows = []
-    for number, row in enumerate(read_jsonl(path), 1):
+    for number, row in numbered_jsonl(path):
         messages = row.get("messages") if isinstance(row, dict) else None
         if not isinstance(messages, list) or not messages or messages[-1].get("role") != "user":
             raise SystemExit(f"specserve generate: error: {path}: line {number} needs \"messages\" ending "
@@ -139,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    generator = Generator(args.target, out, args.max_tokens, args.greedy_fraction, args.seed, args.max_num_seqs)
-    if args.prompts:
-        generator.answer(user_prompts(args.prompts))
+    try:
+        prompts = user_prompts(args.prompts) if args.prompts else None
+        generator = Generator(args.target, out, args.max_tokens, args.greedy_fraction, args.seed, args.max_num_seqs)
+    except TrainError as exc:
+        raise SystemExit(f"specserve generate: error: {exc}") from None
+    if prompts is not None:
+        generator.answer(prompts)
     else:
         builtin_rounds(generator, args.count, args.seed)
     print(f"wrote {len(generator.done)} conversations to {out}")
