@@ -20,11 +20,11 @@ def load_tokenizer(path: str):
     """The tokenizer of a checkpoint directory, or of a GGUF file (its vocabulary and chat template)."""
     from transformers import AutoTokenizer
 
-    from engine.models.gguf import GGUFCheckpoint, find_gguf
+    from engine.models.gguf import find_gguf, open_gguf
 
     gguf_file = find_gguf(path)
     if gguf_file is not None:
-        return GGUFCheckpoint(gguf_file).tokenizer()
+        return open_gguf(gguf_file).tokenizer()
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.gguf import GGUFCheckpoint, find_gguf
+from engine.models.gguf import find_gguf, open_gguf
 from train.common import TrainError, copy_tokenizer_files, export_model
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -21,7 +21,7 @@ def hf_model(path, dtype: torch.dtype = torch.float32):
     gguf_file = find_gguf(path)
     if gguf_file is None:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    checkpoint = GGUFCheckpoint(gguf_file)
+    checkpoint = open_gguf(gguf_file)
     model = AutoModelForCausalLM.from_config(checkpoint.config, dtype=dtype)
     model.load_state_dict(dict(checkpoint.tensors()), strict=not checkpoint.config.tie_word_embeddings)
     model.tie_weights()

@@ -9,9 +9,10 @@ halves interleaved; they are permuted back here, so the result equals the origin
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Iterator
 
@@ -58,6 +59,19 @@ def find_gguf(path) -> Path | None:
                              "name one of them as the model")
         return files[0] if files else None
     return None
+
+
+@lru_cache(maxsize=8)
+def _open_cached(path: str, mtime_ns: int, size: int) -> "GGUFCheckpoint":
+    return GGUFCheckpoint(path)
+
+
+def open_gguf(path) -> "GGUFCheckpoint":
+    """One reader per file version and process: parsing a GGUF's metadata (a 49k-token vocabulary) takes
+    seconds, and start-up reads the config, the tokenizer check and the weights of each model."""
+    path = Path(path).resolve()
+    stat = path.stat() if path.is_file() else None
+    return _open_cached(str(path), stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -203,7 +217,7 @@ class GGUFCheckpoint:
         out.mkdir(parents=True, exist_ok=True)
         tensors = {name: tensor.to(dtype) for name, tensor in self.tensors()}
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": self.path.name})
-        config = self.config
+        config = copy.deepcopy(self.config)   # the cached config stays as read
         config.dtype = str(dtype).replace("torch.", "")
         config.save_pretrained(out)
         (out / "generation_config.json").write_text(json.dumps(

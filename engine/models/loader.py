@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.models.gguf import GGUFCheckpoint, find_gguf
+from engine.models.gguf import GGUFCheckpoint, find_gguf, open_gguf
 from engine.models.llama import CausalLM, FusedLinear
 
 SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -36,7 +36,7 @@ def load_hf_config(path):
 
     gguf_file = find_gguf(path)
     if gguf_file is not None:
-        return GGUFCheckpoint(gguf_file).config
+        return open_gguf(gguf_file).config
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"model path {str(path)!r} does not exist or is not a directory")
@@ -84,7 +84,7 @@ def token_vocabulary(path) -> list[str] | None:
     and a target share one."""
     gguf_file = find_gguf(path)
     if gguf_file is not None:
-        return GGUFCheckpoint(gguf_file).field("tokenizer.ggml.tokens")
+        return open_gguf(gguf_file).field("tokenizer.ggml.tokens")
     tokenizer_json = Path(path) / "tokenizer.json"
     if not tokenizer_json.is_file():
         return None
@@ -135,7 +135,7 @@ class SafetensorsCheckpoint:
 
 def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint:
     gguf_file = find_gguf(path)
-    return GGUFCheckpoint(gguf_file) if gguf_file is not None else SafetensorsCheckpoint(weight_files(path))
+    return open_gguf(gguf_file) if gguf_file is not None else SafetensorsCheckpoint(weight_files(path))
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
