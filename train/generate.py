@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=320)
     p.add_argument("--greedy-fraction", type=float, default=0.5,
                    help="share of prompts answered greedily; the rest at temperature 0.7, top-p 0.95")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=96, help="answers generated at once")
     p.add_argument("--seed", type=int, default=0)
     return p
 
