@@ -28,14 +28,14 @@ def hf_model(path, dtype: torch.dtype = torch.float32):
     return model
 
 
-def model_config(path: Path):
-    from transformers import AutoConfig
-
+def model_config(path):
+    """The checkpoint's config (config.json or GGUF metadata), read by the engine's own loader."""
     from engine.models.loader import load_hf_config
 
-    if find_gguf(path) is not None:
+    try:
         return load_hf_config(path)
-    return AutoConfig.from_pretrained(path)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
 
 
 def load_target(path: str, device: torch.device = torch.device("cpu")):
