@@ -180,3 +180,13 @@ def test_engine_serves_a_gguf_file_like_its_checkpoint(llama, tmp_path):
     outputs = [LLM(str(model), dtype="float32").generate([PROMPT], params)[0] for model in (llama, path)]
     assert outputs[0].token_ids == outputs[1].token_ids
     assert outputs[0].text == outputs[1].text
+
+
+def test_gguf_and_hf_names_are_inverse():
+    from engine.models.gguf import gguf_name, hf_name
+
+    for name in ("token_embd.weight", "output.weight", "output_norm.weight", "blk.3.attn_q.bias",
+                 "blk.12.ffn_down.weight", "blk.0.attn_k_norm.weight"):
+        assert gguf_name(hf_name(name)) == name
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.experts.weight' has no GGUF name"):
+        gguf_name("model.layers.0.mlp.experts.weight")

@@ -86,6 +86,22 @@ def hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
 
 
+_HF_GLOBAL_NAMES = {f"{hf}.weight": f"{name}.weight" for name, hf in _GLOBAL_NAMES.items()}
+_HF_LAYER_NAMES = {hf: name for name, hf in _LAYER_NAMES.items()}
+_HF_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def gguf_name(hf_param: str) -> str:
+    """The GGUF name of a Hugging Face parameter (the inverse of hf_name), or a ValueError naming it."""
+    if hf_param in _HF_GLOBAL_NAMES:
+        return _HF_GLOBAL_NAMES[hf_param]
+    match = _HF_LAYER_TENSOR.match(hf_param)
+    if match and match.group(2) in _HF_LAYER_NAMES:
+        layer, module, leaf = match.groups()
+        return f"blk.{layer}.{_HF_LAYER_NAMES[module]}.{leaf}"
+    raise ValueError(f"tensor {hf_param!r} has no GGUF name")
+
+
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order (each head's rotary halves interleaved) for a [rows, ...] tensor."""
     rows = weight.shape[0]
@@ -240,26 +256,17 @@ def write_gguf(path, tensors: dict[str, torch.Tensor], config, tokenizer, qtype:
     writer = gguf.GGUFWriter(str(path), architecture)
     _write_metadata(writer, config, matrix_type)
     _write_tokenizer(writer, tokenizer, config.vocab_size)
-    to_gguf = {}
-    for gguf_name in [*_GLOBAL_NAMES, *(f"blk.{i}.{kind}" for i in range(config.num_hidden_layers) for kind in _LAYER_NAMES)]:
-        for leaf in ("weight", "bias"):
-            try:
-                to_gguf[hf_name(f"{gguf_name}.{leaf}")] = f"{gguf_name}.{leaf}"
-            except ValueError:
-                pass
     for name, tensor in tensors.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if name not in to_gguf:
-            raise ValueError(f"tensor {name!r} has no GGUF name")
         array = tensor.detach().float().cpu().numpy()
         if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = permute_rotary(array, heads)
         if array.ndim == 2 and array.shape[-1] % block == 0:
-            writer.add_tensor(to_gguf[name], gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
         else:
-            writer.add_tensor(to_gguf[name], array.astype(np.float32))
+            writer.add_tensor(gguf_name(name), array.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
