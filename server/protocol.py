@@ -1,6 +1,8 @@
 """OpenAI wire format: pydantic request models (the only pydantic in specserve), response shapes, errors.
 
-Requests ignore unknown fields (load generators send extra ones). Responses are built as plain
+Requests ignore unknown fields (load generators send extra ones) but validate the known ones
+strictly: no bool for a number, no string for a number or a bool (an int is still a float), and
+enums (a message's role) are Literals. Responses are built as plain
 dicts: they are written once and never validated. Every error, FastAPI's own included, leaves as
 {"error": {"message", "type", "param", "code"}}; invalid requests are 400, never FastAPI's 422.
 """
@@ -11,7 +13,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,14 +29,21 @@ MAX_N = 128
 LOGPROB_FLOOR = -9999.0   # JSON has no -inf: a token the warped distribution excludes gets this
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# OpenAI's chat roles ("function" is its deprecated one); chat templates see the role as given.
+Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+
+
+class _Request(BaseModel):
+    """Strict types (`max_tokens: true` or `"5"` is a 400, not 1 or 5), unknown fields ignored."""
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's usual extras)."""
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -84,9 +93,9 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     model_config = ConfigDict(extra="allow")   # tool_calls, name, ... go to the chat template as given
-    role: str
+    role: Role
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -99,8 +108,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -108,8 +116,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
@@ -134,10 +141,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def speculative(stats: list[SpecStats]) -> dict[str, int]:
-    """specserve's own counters, summed over the choices; never inside OpenAI's objects."""
+def speculative(stats: list[SpecStats], discarded: int = 0) -> dict[str, int]:
+    """specserve's own counters, summed over the choices; never inside OpenAI's objects. `discarded`:
+    tokens generated but not returned (after a stop string). Per choice with at least one token,
+    completion tokens + discarded = 1 + accepted + target_forwards (see engine.outputs.SpecStats)."""
     return {"proposed": sum(s.proposed for s in stats), "accepted": sum(s.accepted for s in stats),
-            "target_forwards": sum(s.target_forwards for s in stats)}
+            "target_forwards": sum(s.target_forwards for s in stats), "discarded": discarded}
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -184,6 +193,38 @@ def chat_logprobs(entries: list[TokenLogprob], token_str) -> dict[str, list]:
 
 # ---- errors ---------------------------------------------------------------------------------
 
+def _is_union_branch(part: Any) -> bool:
+    """pydantic names the branch of a union it tried in the error's loc: "str", "list[int]", ..."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")))
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def validation_message(errors: list[dict[str, Any]]) -> str:
+    """One line for the first of pydantic's errors: where, what was expected, what came.
+
+    A value that fits no branch of a union ("stop": [1]) gets one line naming the branches,
+    not pydantic's error for the first branch alone ("stop.str: Input should be a valid string")."""
+    if not errors:
+        return "invalid request"
+    locs = [[part for part in error.get("loc", ()) if part != "body"] for error in errors]
+    first, loc, msg = errors[0], locs[0], str(errors[0].get("msg", "invalid value"))
+    branch = next((i for i, part in enumerate(loc) if _is_union_branch(part)), None)
+    if branch is not None:   # the errors of the other branches follow, under the same path
+        path = loc[:branch]
+        tried = [(error, other) for error, other in zip(errors, locs) if other[:branch] == path]
+        msg = "Input should be " + " or ".join(dict.fromkeys(str(other[branch]) for _, other in tried))
+        # the value itself, from a branch that failed on all of it (not on one of its items)
+        first = next((error for error, other in tried if len(other) == branch + 1), {})
+        loc = path
+    where = ".".join(str(part) for part in loc)
+    got = f", got {_shown(first['input'])}" if "input" in first and first.get("type") != "missing" else ""
+    return f"{where}: {msg}{got}" if where else f"{msg}{got}"
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
@@ -208,9 +249,7 @@ def install_error_handlers(app: FastAPI) -> None:
             return APIError(400, f"the request body is not valid JSON ({detail})").response()
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = loc[0] if loc and not loc[0].isdigit() else None
-        where = ".".join(loc)
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-        return APIError(400, message, param=param).response()
+        return APIError(400, validation_message(errors), param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
