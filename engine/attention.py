@@ -7,6 +7,11 @@ plus k draft tokens) whose keys/values are written into the paged cache at
 `slot_mapping`, and which attend causally to the first seq_lens[b] cached
 positions of that sequence (the new tokens are the last query_lens[b] of them).
 
+Sliding-window layers (Mistral, Qwen with use_sliding_window) attend to the last
+`sliding_window` positions only, the query's own included: key j is visible to the
+query at position i iff i - window < j <= i (transformers' rule; flash-attn's
+window_size=(window - 1, 0)). The cache keeps every position; only the masks change.
+
 KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim],
 so kv_cache[0] / kv_cache[1] are exactly flash-attn's paged k_cache / v_cache.
 """
@@ -50,6 +55,9 @@ class AttentionMetadata:
     # Torch path, mixed passes: (token rows [T_g] int64, metadata) for the single-token sequences and for
     # the rest, attended separately, so one prefill chunk does not pad every decode query to its length.
     groups: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None
+    sliding_window: int | None = None     # keys this metadata's masks (or flash-attn) keep per query; None: all
+    # The same pass for sliding-window layers; None when no layer slides or the window cuts nothing.
+    windowed: "AttentionMetadata | None" = None
 
     @property
     def num_seqs(self) -> int:
@@ -57,8 +65,19 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device, use_flash: bool = False) -> "AttentionMetadata":
-        """Host-side construction from plain lists (one entry per sequence)."""
+              block_size: int, device: torch.device, use_flash: bool = False,
+              sliding_window: int | None = None) -> "AttentionMetadata":
+        """Host-side construction from plain lists (one entry per sequence). With sliding_window,
+        `windowed` holds the variant its layers read, once some sequence reaches past the window."""
+        meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash, None)
+        if sliding_window is not None and max(seq_lens) > sliding_window:
+            meta.windowed = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash,
+                                       sliding_window)
+        return meta
+
+    @classmethod
+    def _build(cls, query_lens, seq_lens, block_tables, block_size, device, use_flash,
+               window: int | None) -> "AttentionMetadata":
         num_seqs = len(query_lens)
         q_lens = np.asarray(query_lens, dtype=np.int64)
         s_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -84,18 +103,19 @@ class AttentionMetadata:
             groups = []
             for seqs in (np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)):
                 rows = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in seqs])
-                sub = cls.build(q_lens[seqs].tolist(), s_lens[seqs].tolist(), [block_tables[i] for i in seqs],
-                                block_size, device)
+                sub = cls._build(q_lens[seqs].tolist(), s_lens[seqs].tolist(), [block_tables[i] for i in seqs],
+                                 block_size, device, False, window)
                 groups.append((torch.from_numpy(rows).to(device), sub))
         elif not use_flash:
             block_ids = torch.from_numpy(table.reshape(-1)).to(device)
             if max_q > 1:
                 pad_index = torch.from_numpy(seq_idx * max_q + (np.arange(len(seq_idx)) - q_start[seq_idx])).to(device)
-            single = num_seqs == 1 and (max_q == 1 or max_q == s_lens[0])
+            windowed = window is not None and int(s_lens.max()) > window
+            single = num_seqs == 1 and (max_q == 1 or max_q == s_lens[0]) and not windowed
             if single:
                 causal = max_q > 1
             else:
-                mask = _causal_paged_mask(q_lens, s_lens, max_q, int(s_lens.max()), device)
+                mask = _causal_paged_mask(q_lens, s_lens, max_q, int(s_lens.max()), device, window)
 
         as_i32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)
         return cls(
@@ -112,20 +132,25 @@ class AttentionMetadata:
             attn_mask=mask,
             causal=causal,
             groups=groups,
+            sliding_window=window,
         )
 
 
 def _causal_paged_mask(q_lens: np.ndarray, s_lens: np.ndarray, max_q: int, max_kv: int,
-                       device: torch.device) -> torch.Tensor:
-    """Query i of sequence b sits at position s_len - q_len + i and sees keys 0..that position.
+                       device: torch.device, window: int | None = None) -> torch.Tensor:
+    """Query i of sequence b sits at position s_len - q_len + i and sees keys 0..that position
+    (with a window, only the last `window` of them).
 
     Padding query rows get key 0 only, so no softmax row is empty (no NaNs)."""
     row = np.arange(max_q)[None, :, None]
     col = np.arange(max_kv)[None, None, :]
     last_visible = (s_lens - q_lens)[:, None, None] + row
     mask = col <= last_visible
-    mask &= row < q_lens[:, None, None]
-    mask[:, :, 0] = True
+    if window is not None:
+        mask &= col > last_visible - window
+    padding = row >= q_lens[:, None, None]
+    mask &= ~padding
+    mask |= padding & (col == 0)
     return torch.from_numpy(mask[:, None]).to(device)
 
 
@@ -137,15 +162,23 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, H_q, D], key/value [T, H_kv, D] -> output [T, H_q, D]."""
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """query [T, H_q, D], key/value [T, H_kv, D] -> output [T, H_q, D]. sliding_window: this
+    layer's (None: full attention); once it cuts anything, the metadata must have been built with it."""
     write_kv(kv_cache, key, value, meta.slot_mapping)
+    if sliding_window is not None and meta.max_seq_len > sliding_window:
+        if meta.windowed is None or meta.windowed.sliding_window != sliding_window:
+            raise ValueError(f"a layer with sliding window {sliding_window} got attention metadata built for "
+                             f"window {meta.windowed and meta.windowed.sliding_window}")
+        meta = meta.windowed
     if meta.use_flash:
+        window = (-1, -1) if meta.sliding_window is None else (meta.sliding_window - 1, 0)
         return flash_attn_varlen_func(
             query, kv_cache[0], kv_cache[1],
             cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.seq_start_loc,
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
-            softmax_scale=scale, causal=True, block_table=meta.block_tables,
+            softmax_scale=scale, causal=True, window_size=window, block_table=meta.block_tables,
         )
     return _torch_paged_attention(query, kv_cache, meta, scale)
 

@@ -46,7 +46,7 @@ class ModelRunner:
         query_lens = [len(item.token_ids) for item in items]
         seq_lens = [item.start_pos + n for item, n in zip(items, query_lens)]
         meta = AttentionMetadata.build(query_lens, seq_lens, [item.block_table for item in items],
-                                       self.block_size, self.device, self.use_flash)
+                                       self.block_size, self.device, self.use_flash, self.model.sliding_window)
         input_ids = torch.tensor(np.concatenate([item.token_ids for item in items]), dtype=torch.long, device=self.device)
         positions = torch.from_numpy(np.concatenate(
             [np.arange(item.start_pos, item.start_pos + n) for item, n in zip(items, query_lens)])).to(self.device)

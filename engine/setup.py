@@ -114,8 +114,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec.gamma:
         _calibrate(timer, target, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH))
     logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
-                "speculative=%s gamma=%d", config.model, str(dtype).replace("torch.", ""), device, num_blocks,
-                block_size, max_model_len, spec.method, spec.gamma)
+                "sliding_window=%s, speculative=%s gamma=%d", config.model, str(dtype).replace("torch.", ""), device,
+                num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
     return EngineParts(device, dtype, target, proposer, pool, max_model_len, hf_config.vocab_size,
                        eos_token_ids(config.model, hf_config), timer)
 
@@ -131,8 +131,6 @@ def _max_model_len(config: EngineConfig, target, draft, kv_capacity: int) -> int
     limits = [target.max_position_embeddings, kv_capacity]
     if draft is not None:
         limits.append(draft.max_position_embeddings)
-    if getattr(target, "sliding_window", None):
-        limits.append(target.sliding_window)   # we attend to the full context: stay inside the window
     if config.max_model_len is not None:
         if config.max_model_len > min(limits):
             raise ValueError(f"max_model_len {config.max_model_len} exceeds what the model and KV cache allow "

@@ -23,12 +23,14 @@ def _random_pass(device, dtype, block_size):
 
 
 @pytest.mark.skipif(not flash_available(torch.device("cuda")), reason="flash-attn is not installed")
-def test_flash_path_matches_torch_path():
+@pytest.mark.parametrize("sliding_window", [None, 24])   # 24 cuts the 300- and 37-token sequences
+def test_flash_path_matches_torch_path(sliding_window):
     cache, query_lens, seq_lens, tables, q, k, v = _random_pass("cuda", torch.bfloat16, FLASH_BLOCK_SIZE)
     outs = []
     for use_flash in (False, True):
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, FLASH_BLOCK_SIZE, torch.device("cuda"), use_flash)
-        outs.append(paged_attention(q, k, v, cache.clone(), meta, 64 ** -0.5).float())
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, FLASH_BLOCK_SIZE, torch.device("cuda"), use_flash,
+                                       sliding_window)
+        outs.append(paged_attention(q, k, v, cache.clone(), meta, 64 ** -0.5, sliding_window).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
 
@@ -57,3 +59,17 @@ def test_bf16_target_with_fp32_draft_on_cuda(tmp_path):
     assert llm.engine.target.use_flash == flash_available(torch.device("cuda"))
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 12 and out.spec.proposed > 0
+
+
+def test_sliding_window_on_cuda_matches_cpu(tmp_path):
+    """A Mistral with a 16-token window decodes 40 tokens past it on CUDA exactly as on the CPU (fp32)."""
+    from engine import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(tmp_path / "mistral", arch="mistral", seed=11, sliding_window=16)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [list(range(30, 60)), [9, 8, 7]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    cpu = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params)
+    gpu = LLM(str(path), dtype="float32", device="cuda", max_num_batched_tokens=12, speculative=spec).generate(
+        prompts, params)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]

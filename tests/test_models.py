@@ -56,7 +56,8 @@ def run_pass(model, kv_caches, items):
     ids = torch.tensor([t for new, _, _ in items for t in new])
     positions = torch.cat([torch.arange(cached, cached + len(new)) for new, cached, _ in items])
     meta = AttentionMetadata.build([len(new) for new, _, _ in items], [cached + len(new) for new, cached, _ in items],
-                                   [table for _, _, table in items], BLOCK_SIZE, CPU)
+                                   [table for _, _, table in items], BLOCK_SIZE, CPU,
+                                   sliding_window=model.sliding_window)
     logits = model.compute_logits(model(ids, positions, meta, kv_caches))
     assert logits.dtype == torch.float32
     return list(logits.split([len(new) for new, _, _ in items]))
@@ -263,3 +264,122 @@ def test_direct_construction_runs():
     assert not model.model.rotary_emb.cos_sin_cache.is_meta
     out = logits_of(model, random_tokens(5, seed=10))
     assert out.shape == (5, model.vocab_size) and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------- sliding window
+
+WINDOW = 16
+WINDOW_CASES = {
+    "mistral": dict(arch="mistral", sliding_window=WINDOW),
+    # Qwen2 slides only from layer max_window_layers on: layer 0 full, layer 1 windowed.
+    "qwen2_mixed_layers": dict(arch="qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(WINDOW_CASES))
+def windowed_pair(request, tmp_path_factory):
+    """(our model, transformers' model, transformers' model with the window switched off), one checkpoint."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), seed=11, **WINDOW_CASES[request.param])
+    ours = load_model(str(path), torch.float32, CPU)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    no_window = {"sliding_window": None}
+    if "qwen2" in request.param:
+        no_window.update(use_sliding_window=False, layer_types=["full_attention"] * ours.num_layers)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **no_window).eval()
+    return ours, ref, full
+
+
+def long_tables(num_seqs: int, num_blocks: int, seed: int = 0) -> list[list[int]]:
+    """Disjoint shuffled block tables of num_blocks blocks each (num_blocks * BLOCK_SIZE tokens)."""
+    order = torch.randperm(num_seqs * num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [order[i * num_blocks:(i + 1) * num_blocks] for i in range(num_seqs)]
+
+
+def long_kv_caches(model, num_blocks: int):
+    shape = (2, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    return [torch.zeros(shape) for _ in range(model.num_layers)]
+
+
+def test_transformers_applies_the_window(windowed_pair):
+    """The reference itself honours the window (sdpa, the default): the same weights without it agree
+    inside the first WINDOW positions and differ past them, so the parity tests below test something."""
+    ours, ref, full = windowed_pair
+    assert ours.sliding_window == WINDOW
+    assert [layer.self_attn.sliding_window for layer in ours.model.layers] == \
+        [WINDOW if t == "sliding_attention" else None for t in getattr(ref.config, "layer_types", None) or
+         ["sliding_attention"] * ours.num_layers]
+    tokens = random_tokens(3 * WINDOW, seed=12)
+    with_window, without = reference_logits(ref, tokens), reference_logits(full, tokens)
+    assert_close(with_window[:WINDOW], without[:WINDOW])
+    assert (with_window[WINDOW:] - without[WINDOW:]).abs().amax(dim=-1).min() > 1e-3
+
+
+def test_window_prefill_decode_and_chunks(windowed_pair):
+    ours, ref, _ = windowed_pair
+    (table,) = long_tables(1, 20)   # 80 tokens
+    tokens = random_tokens(3 * WINDOW + 5, seed=13)
+    expected = reference_logits(ref, tokens)
+    kv = long_kv_caches(ours, 20)
+    (prefill,) = run_pass(ours, kv, [(tokens, 0, table)])   # one pass, 53 queries, window-masked
+    assert_close(prefill, expected)
+    chunked = [run_pass(ours, kv, [(tokens[a:a + 20], a, table)])[0] for a in range(0, len(tokens), 20)]
+    assert_close(torch.cat(chunked), expected)   # chunks that start past the window
+    last = expected[-1]
+    for _ in range(12):   # greedy decode, one query per pass
+        tokens.append(int(last.argmax()))
+        (step,) = run_pass(ours, kv, [(tokens[-1:], len(tokens) - 1, table)])
+        last = reference_logits(ref, tokens)[-1]
+        assert_close(step[-1], last)
+
+
+def test_window_ragged_batch(windowed_pair):
+    """Sequences inside and past the window in one pass: decodes, a verification-like chunk, a prefill."""
+    ours, ref, _ = windowed_pair
+    tables = long_tables(3, 16, seed=1)   # 64 tokens each
+    kv = long_kv_caches(ours, 48)
+    a, b, c = random_tokens(40, seed=14), random_tokens(9, seed=15), random_tokens(30, seed=16)
+    outs = run_pass(ours, kv, [(a, 0, tables[0]), (b, 0, tables[1]), (c[:10], 0, tables[2])])
+    for out, seq in zip(outs, (a, b, c[:10])):
+        assert_close(out, reference_logits(ref, seq))
+    new_a, new_b = [42, 17, 99, 3], [7]   # a: 4 tokens as in verification; b: one decode token
+    outs = run_pass(ours, kv, [(new_a, len(a), tables[0]), (new_b, len(b), tables[1]), (c[10:], 10, tables[2])])
+    assert_close(outs[0], reference_logits(ref, a + new_a)[-4:])
+    assert_close(outs[1], reference_logits(ref, b + new_b)[-1:])
+    assert_close(outs[2], reference_logits(ref, c)[10:])
+    decodes = run_pass(ours, kv, [([5], len(a) + 4, tables[0]), ([6], len(b) + 1, tables[1]), ([8], 30, tables[2])])
+    for out, seq in zip(decodes, (a + new_a + [5], b + new_b + [6], c + [8])):
+        assert_close(out, reference_logits(ref, seq)[-1:])
+
+
+def test_window_metadata_must_match_the_layer():
+    """A windowed layer handed metadata built without its window fails loudly instead of attending to all."""
+    model = CausalLM(make_tiny_config("mistral", num_layers=1, sliding_window=4)).eval()
+    meta = AttentionMetadata.build([6], [6], [BLOCK_TABLES[0]], BLOCK_SIZE, CPU)
+    with pytest.raises(ValueError, match="sliding window 4"), torch.inference_mode():
+        model(torch.arange(6), torch.arange(6), meta, new_kv_caches(model))
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3},
+                                         {"method": "draft", "num_speculative_tokens": 3}],
+                         ids=["plain", "ngram", "draft"])
+def test_engine_generates_past_the_window(tmp_path, speculative):
+    """The whole engine on a windowed Mistral: a chunked prompt and 40 greedy tokens, three windows
+    long, equal transformers' greedy tokens; the context is not capped at the window."""
+    from engine import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(tmp_path / "mistral", arch="mistral", seed=11, sliding_window=WINDOW)
+    if speculative and speculative["method"] == "draft":
+        speculative = {**speculative, "model": str(path)}
+    llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=12, block_size=4,
+              speculative=speculative)
+    assert llm.engine.max_model_len == 512   # max_position_embeddings, not the window
+    prompts = [random_tokens(30, seed=17), random_tokens(5, seed=18)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        tokens = list(prompt)
+        for _ in range(40):
+            tokens.append(int(reference_logits(ref, tokens)[-1].argmax()))
+        assert out.token_ids == tokens[len(prompt):]
+    if speculative:
+        assert sum(o.spec.accepted for o in outs) > 0

@@ -3,7 +3,7 @@
 One decoder serves the whole family; the differences are flags read from the
 Hugging Face config:
     Llama     attention_bias (q/k/v/o), mlp_bias, optional Llama 3 RoPE scaling
-    Mistral   no biases; `sliding_window` is exposed, not applied (see below)
+    Mistral   no biases; `sliding_window` attention (see below)
     Qwen2     bias on q/k/v only (always), none on o_proj
     Qwen3     RMSNorm on each query/key head before RoPE; attention_bias
 
@@ -17,9 +17,11 @@ Parameter names are Hugging Face's, except that q/k/v are fused into
 loader fills the fused weights from the separate checkpoint tensors, guided
 by `FusedLinear.shard_names`.
 
-Sliding window (Mistral; Qwen with use_sliding_window): we always attend to the
-full context. That is exact as long as no sequence grows past the window, so
-the engine caps max_model_len at `model.sliding_window` when it is not None.
+Sliding window (Mistral; Qwen2/3 with use_sliding_window): each layer whose
+config marks it sliding (`layer_types`; every layer when the config has none)
+attends to the last `sliding_window` positions only, as transformers does; the
+runner builds the windowed metadata once per pass (engine/attention.py). The KV
+cache still keeps every position, so the context is not limited by the window.
 """
 from __future__ import annotations
 
@@ -152,9 +154,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, config, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 sliding_window: int | None = None):
         super().__init__()
         hidden = config.hidden_size
+        self.sliding_window = sliding_window   # None: full attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim
@@ -181,7 +185,7 @@ class Attention(nn.Module):
             qk = rms_norm(qk, weight, self.q_norm.eps_tensor, self.q_norm.inv_size)
         # Queries and keys are adjacent heads of qkv: rotate them in one go.
         query, key = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(query, key, value, kv_cache, meta, self.scale)  # [T, H_q, D]
+        out = paged_attention(query, key, value, kv_cache, meta, self.scale, self.sliding_window)  # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -198,9 +202,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int, flags: dict):
+    def __init__(self, config, head_dim: int, flags: dict, sliding_window: int | None = None):
         super().__init__()
-        self.self_attn = Attention(config, head_dim, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"])
+        self.self_attn = Attention(config, head_dim, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"],
+                                   sliding_window)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, flags["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -220,7 +225,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config, head_dim: int, flags: dict):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, flags) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, flags, window)
+                                    for window in layer_sliding_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
 
@@ -246,14 +252,25 @@ def architecture_flags(config) -> dict:
     }
 
 
-def _sliding_window(config) -> int | None:
+def layer_sliding_windows(config) -> list[int | None]:
+    """Per layer, the sliding window it attends within (None: full attention). Qwen2/3 configs
+    list `layer_types` (sliding only with use_sliding_window, from layer max_window_layers on);
+    Mistral's has none, and its window applies to every layer."""
+    num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
+        return [None] * num_layers
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    if layer_types is None:
+        return [int(window)] * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"config.layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _sliding_window(config) -> int | None:
+    """The window of the sliding layers, if any layer slides."""
+    return next((w for w in layer_sliding_windows(config) if w is not None), None)
 
 
 class CausalLM(nn.Module):
