@@ -104,14 +104,17 @@ class Engine:
         except Exception as exc:  # one bad batch must not take the server down
             logger.exception("engine step failed")
             return self._fail(batch, exc)
-        outputs = self._update(batch, proposal, result)
-        self.last_stats = self._stats(batch, proposal, result, t1 - t0, t2 - t1, outputs)
+        outputs, emitted_drafts = self._update(batch, proposal, result)
+        self.last_stats = self._stats(batch, proposal, emitted_drafts, t1 - t0, t2 - t1, outputs)
         self.totals.add(self.last_stats)
         return outputs
 
     # ---- update: bookkeeping only ------------------------------------------------
-    def _update(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult) -> list[RequestOutput]:
-        outputs = []
+    def _update(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult
+                ) -> tuple[list[RequestOutput], list[int | None]]:
+        """Apply the step to every request; also returns, per scheduled request, the drafts it emitted
+        (None where the pass emitted no token after the request's first)."""
+        outputs, emitted_drafts = [], [None] * len(batch.scheduled)
         for i, item in enumerate(batch.scheduled):
             request = item.request
             if request.wants_prompt_logprobs:
@@ -120,13 +123,14 @@ class Engine:
                 request.num_computed_tokens += item.num_new_tokens
                 self._publish_blocks(request)
                 continue
-            accepted = result.num_accepted[i]
-            request.num_computed_tokens += item.num_new_tokens + accepted
-            if item.is_decode:
-                request.num_proposed += len(proposal.draft_token_ids[i])
-                request.num_accepted += accepted
-                request.num_target_forwards += 1
+            request.num_computed_tokens += item.num_new_tokens + result.num_accepted[i]
+            had_output = request.num_output_tokens > 0
             new_tokens = self._append_tokens(request, result.token_ids[i], result.logprobs[i])
+            request.num_proposed += len(proposal.draft_token_ids[i])
+            if had_output:   # the prefill's first token is no target forward of the decode phase
+                emitted_drafts[i] = len(new_tokens) - 1
+                request.num_accepted += emitted_drafts[i]
+                request.num_target_forwards += 1
             # Rollback past the first rejection: the draft's cache and the tail blocks.
             request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
             if request.is_finished:
@@ -136,7 +140,7 @@ class Engine:
                 self.pool.trim(request.block_table, request.num_tokens)
                 self._publish_blocks(request)
             outputs.append(self._output(request, new_tokens))
-        return outputs
+        return outputs, emitted_drafts
 
     def _append_tokens(self, request: Request, token_ids: list[int], logprobs) -> list[int]:
         """Append accepted tokens, stopping inside the run at EOS / stop token / length."""
@@ -202,22 +206,20 @@ class Engine:
         return outputs
 
     # ---- statistics ------------------------------------------------------------------
-    def _stats(self, batch, proposal: Proposal, result: VerifyResult, draft_time: float,
+    def _stats(self, batch, proposal: Proposal, emitted_drafts: list[int | None], draft_time: float,
                verify_time: float, outputs: list[RequestOutput]) -> StepStats:
         per_position = [0] * self.gamma
         accepted_lengths = []
-        num_decode = 0
-        for i, item in enumerate(batch.scheduled):
-            if not item.is_decode:
-                continue
-            num_decode += 1
-            if proposal.draft_token_ids[i]:
-                accepted_lengths.append(result.num_accepted[i])
-                for pos in range(result.num_accepted[i]):
+        for drafts, emitted in zip(proposal.draft_token_ids, emitted_drafts):
+            if drafts and emitted is not None:
+                accepted_lengths.append(emitted)
+                for pos in range(emitted):
                     per_position[pos] += 1
+        num_forwards = sum(e is not None for e in emitted_drafts)
+        pure_decode = all(item.is_decode for item in batch.scheduled)
         num_draft_tokens = sum(len(d) for d in proposal.draft_token_ids)
-        if num_decode == len(batch.scheduled) and num_draft_tokens == 0:
-            self.step_timer.observe(num_decode, verify_time)   # a real plain decode step
+        if pure_decode and num_draft_tokens == 0:
+            self.step_timer.observe(len(batch.scheduled), verify_time)   # a real plain decode step
         return StepStats(
             method=self.method, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.pool.usage, batch_size=len(batch.scheduled),
@@ -225,10 +227,10 @@ class Engine:
             num_preemptions=len(batch.preempted), num_prompt_tokens=_first_token_prompts(outputs),
             num_generation_tokens=sum(len(o.new_token_ids) for o in outputs),
             num_drafts=len(accepted_lengths), num_draft_tokens=num_draft_tokens,
-            num_accepted_tokens=sum(accepted_lengths), num_target_forwards=num_decode,
+            num_accepted_tokens=sum(accepted_lengths), num_target_forwards=num_forwards, pure_decode=pure_decode,
             accepted_per_position=tuple(per_position), accepted_lengths=tuple(accepted_lengths),
             draft_time_s=draft_time, verify_time_s=verify_time,
-            plain_step_time_s=self.step_timer.estimate(num_decode) if num_decode else None,
+            plain_step_time_s=self.step_timer.estimate(len(batch.scheduled)) if pure_decode else None,
             finished_reasons=tuple(o.finish_reason for o in outputs if o.finished),
         )
 

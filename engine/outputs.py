@@ -13,10 +13,20 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class SpecStats:
-    """Cumulative speculation counters of one request (decode steps only)."""
-    proposed: int = 0         # draft tokens proposed to the target
-    accepted: int = 0         # draft tokens the target accepted
-    target_forwards: int = 0  # verification / decode passes this request took part in
+    """Cumulative speculation counters of one request.
+
+    Every target pass that emits tokens for a request emits its accepted drafts plus one token of its
+    own (the bonus, the correction of the first rejected draft, or, when the output ends inside an
+    accepted run at EOS / a stop token / max_tokens, the token it ends on; drafts after that point
+    are neither emitted nor counted as accepted). The prefill pass emits the first token. So, for a
+    request with at least one output token:
+
+        num_output_tokens == 1 + accepted + target_forwards
+    """
+    proposed: int = 0         # draft tokens proposed to the target (those after an end point included)
+    accepted: int = 0         # proposed draft tokens that were accepted and emitted
+    target_forwards: int = 0  # target passes that emitted tokens after the first (decode / verify passes,
+                              # and the recomputation pass after a preemption)
 
 
 @dataclass(frozen=True)
@@ -59,13 +69,14 @@ class StepStats:
     num_drafts: int                   # requests that verified >= 1 draft token
     num_draft_tokens: int
     num_accepted_tokens: int
-    num_target_forwards: int          # requests that took part in a decode/verify pass
-    accepted_per_position: tuple[int, ...]   # index i: drafts accepted at position i
-    accepted_lengths: tuple[int, ...]        # per request with drafts: accepted count this step
+    num_target_forwards: int          # requests that got tokens after their first from this pass (SpecStats)
+    accepted_per_position: tuple[int, ...]   # index i: drafts accepted (and emitted) at position i
+    accepted_lengths: tuple[int, ...]        # per request with drafts: drafts it emitted this step
     draft_time_s: float
     verify_time_s: float              # target forward + rejection sampling
     plain_step_time_s: float | None   # estimate of a plain decode step at this batch size (None: unknown yet)
     finished_reasons: tuple[str, ...] = ()   # finish reasons of requests that ended this step
+    pure_decode: bool = False         # every scheduled request ran a decode / verify pass (no prefill work)
 
 
 @dataclass

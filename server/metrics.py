@@ -19,7 +19,13 @@ Counting rules (so nothing is counted twice):
 - ``request_success_total{finished_reason}`` and the request latency histograms come from
   ``observe_request`` only (``StepStats.finished_reasons`` is ignored here).
 - ``spec_decode_accepted_length`` counts accepted *draft* tokens per verification of one request
-  (0..gamma); the request gains that plus one (the recovered or bonus token).
+  (0..gamma); the request gains that plus one (the recovered or bonus token). When the output ends
+  inside an accepted run (EOS, a stop token, max_tokens), the token it ends on is the pass's own and
+  the drafts after it are not counted as accepted (see ``engine.outputs.SpecStats``), so
+  ``generation_tokens = requests that got a first token + accepted + target_forwards`` holds.
+- ``discarded_tokens`` counts generated tokens that no response returned (after a stop string,
+  scoring requests), so ``generation_tokens = sum of usage.completion_tokens + discarded_tokens``
+  over requests that completed.
 - ``inter_token_latency_seconds`` is the gap between streamed deltas. With speculation one delta
   often carries several tokens, so this is the latency a client sees between updates.
 
@@ -127,8 +133,7 @@ class _SpecWindow:
     def add(self, stats: StepStats) -> None:
         if stats.num_draft_tokens > 0:
             self._push(self.accept, self.accept_sums, (stats.num_draft_tokens, stats.num_accepted_tokens))
-        pure_decode = 0 < stats.num_target_forwards == stats.batch_size   # no prefill work in this step
-        if pure_decode and stats.plain_step_time_s is not None:
+        if stats.pure_decode and stats.num_target_forwards > 0 and stats.plain_step_time_s is not None:
             # Each request in a verify pass gains its accepted drafts plus one target token.
             emitted = stats.num_accepted_tokens + stats.num_target_forwards
             spec_time = stats.draft_time_s + stats.verify_time_s
@@ -173,13 +178,13 @@ class Metrics:
         # Speculation counters.
         self.num_drafts = counter("spec_decode_num_drafts", "Verifications of at least one draft token (per request per step).", spec)
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed to the target model.", spec)
-        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target model.", spec)
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target model and emitted (none past the token an output ends on).", spec)
         self._accepted_per_pos_family = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = first draft token).",
             ["model_name", "method", "position"], registry=self.registry)
         self._accepted_per_pos: list = []   # children by position, created as positions appear
-        self.num_target_forwards = counter("spec_decode_num_target_forwards", "Requests that took part in a target decode/verify pass (per request per step).", spec)
+        self.num_target_forwards = counter("spec_decode_num_target_forwards", "Target passes that emitted tokens to a request after its first (per request per step: decode / verify passes, recomputation after a preemption).", spec)
         self.accepted_length = _IntHistogram(
             PREFIX + "spec_decode_accepted_length",
             "Draft tokens accepted per verification of one request (the request also gains one target token).",
@@ -195,7 +200,10 @@ class Metrics:
         # Engine and request counters.
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV cache freed, to be recomputed).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (recomputation after preemption included).")
-        self.generation_tokens = counter("generation_tokens", "Tokens emitted to requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens the engine generated for requests.")
+        self.discarded_tokens = counter(
+            "discarded_tokens", "Generated tokens no response returned: those after a stop string (generated in "
+            "the same step, or before the abort landed) and the token of a scoring request (max_tokens 0).")
         success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=self.registry)
         self._success_family = success
@@ -286,6 +294,9 @@ class Metrics:
         if num_deltas_times:
             for earlier, later in zip(num_deltas_times, num_deltas_times[1:]):
                 self.itl.observe(max(later - earlier, 0.0))
+
+    def observe_discarded(self, num_tokens: int) -> None:
+        self.discarded_tokens.inc(num_tokens)
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.observe(max(seconds, 0.0))

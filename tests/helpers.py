@@ -140,3 +140,49 @@ def train_bpe_tokenizer(files: list[Path], out_dir: Path, vocab_size: int, model
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                             pad_token="<|pad|>", model_max_length=model_max_length).save_pretrained(out_dir)
     return tok
+
+
+def make_noisy_copy(source, path, noise: float, seed: int = 0) -> Path:
+    """Copy a checkpoint directory with Gaussian noise (noise x each tensor's std) added to every
+    weight: a draft of the same tokenizer whose acceptance is between a copy's (1.0) and a random
+    model's, so rejection, rollback and partial acceptance all happen."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, path = Path(source), Path(path)
+    shutil.copytree(source, path)
+    generator = torch.Generator().manual_seed(seed)
+    for file in path.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, tensor in tensors.items():
+            scale = noise * (tensor.float().std() if tensor.numel() > 1 else 1.0)
+            tensors[name] = tensor + scale * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+        save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def make_scripted_checkpoint(path, script: str, vocab_size: int = MIN_VOCAB_SIZE) -> Path:
+    """A Llama checkpoint whose every next token depends only on the current one, so its output is
+    known in advance: after any token outside `script` it writes `script` (UTF-8, one byte token
+    each; its bytes must be distinct) and then EOS. Attention and MLP outputs are zero, the
+    embedding is one-hot and the head maps each token to its successor, which gets a logit of
+    sqrt(hidden_size) against 0 (probability 1 - 1e-5, sampled or not)."""
+    from transformers import AutoModelForCausalLM
+
+    chain = list(script.encode())
+    if len(set(chain)) != len(chain):
+        raise ValueError(f"the script's bytes must be distinct: {script!r}")
+    hidden = 320
+    config = make_tiny_config("llama", vocab_size, hidden_size=hidden, num_layers=1, num_heads=4, num_kv_heads=2)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    successor = torch.full((vocab_size,), chain[0])
+    successor[chain] = torch.tensor(chain[1:] + [EOS_ID])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.zero_() if not name.endswith("norm.weight") else param.fill_(1.0)
+        model.model.embed_tokens.weight[:, :vocab_size] = torch.eye(vocab_size)
+        model.lm_head.weight[successor, torch.arange(vocab_size)] = 1.0
+    model.save_pretrained(path)
+    make_tokenizer(vocab_size).save_pretrained(path)
+    return Path(path)

@@ -46,7 +46,7 @@ def exported() -> dict[str, str]:
         num_batched_tokens=10, num_preemptions=1, num_prompt_tokens=0, num_generation_tokens=5,
         num_drafts=2, num_draft_tokens=8, num_accepted_tokens=3, num_target_forwards=2,
         accepted_per_position=(2, 1, 0, 0), accepted_lengths=(2, 1), draft_time_s=0.002,
-        verify_time_s=0.01, plain_step_time_s=0.008))
+        verify_time_s=0.01, plain_step_time_s=0.008, pure_decode=True))
     metrics.observe_request(RequestOutput("r", [1], finished=True, finish_reason="stop",
                                           timing=RequestTiming(0.0, 0.1, 0.2, 1.0)))
     metrics.observe_token_gap(0.02)

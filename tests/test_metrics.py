@@ -15,7 +15,7 @@ COUNTERS = [
     "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
     "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
     "spec_decode_num_target_forwards_total", "num_preemptions_total", "prompt_tokens_total",
-    "generation_tokens_total", "request_success_total",
+    "generation_tokens_total", "discarded_tokens_total", "request_success_total",
 ]
 HISTOGRAMS = [
     "spec_decode_accepted_length", "spec_decode_draft_time_seconds", "spec_decode_verify_time_seconds",
@@ -35,7 +35,7 @@ def step(**overrides) -> StepStats:
         num_batched_tokens=15, num_preemptions=0, num_prompt_tokens=0, num_generation_tokens=9,
         num_drafts=3, num_draft_tokens=12, num_accepted_tokens=6, num_target_forwards=3,
         accepted_per_position=(3, 2, 1, 0), accepted_lengths=(4, 2, 0),
-        draft_time_s=0.004, verify_time_s=0.012, plain_step_time_s=0.010,
+        draft_time_s=0.004, verify_time_s=0.012, plain_step_time_s=0.010, pure_decode=True,
     )
     fields.update(overrides)
     return StepStats(**fields)
@@ -72,7 +72,7 @@ def spec_labels(method="draft"):
 
 # A varied, hand-built run: prefill, decode with drafts, a preemption, an n-gram-style miss.
 STEPS = [
-    step(num_prompt_tokens=40, num_batched_tokens=40, num_generation_tokens=2, num_drafts=0,
+    step(num_prompt_tokens=40, num_batched_tokens=40, num_generation_tokens=2, num_drafts=0, pure_decode=False,
          num_draft_tokens=0, num_accepted_tokens=0, num_target_forwards=0, accepted_per_position=(),
          accepted_lengths=(), draft_time_s=0.0, verify_time_s=0.02, batch_size=2, num_running=2),
     step(),
@@ -98,6 +98,7 @@ def fed() -> Metrics:
     m.observe_request(finished("c", "abort", 300.0, None, None, 301.0))
     m.observe_token_gap(0.02)
     m.observe_token_gap(0.03)
+    m.observe_discarded(3)
     return m
 
 
@@ -111,6 +112,7 @@ def test_counters_equal_sums_of_inputs(fed):
     assert value(fed, "num_preemptions_total", **base) == 1
     assert value(fed, "prompt_tokens_total", **base) == sum(s.num_prompt_tokens for s in STEPS)
     assert value(fed, "generation_tokens_total", **base) == sum(s.num_generation_tokens for s in STEPS)
+    assert value(fed, "discarded_tokens_total", **base) == 3
     for position, expected in enumerate([3 + 2 + 0, 2 + 2 + 0, 1 + 2, 0 + 1]):
         assert value(fed, "spec_decode_num_accepted_tokens_per_pos_total", position=str(position), **sl) == expected
     for reason, expected in [("stop", 1), ("length", 1), ("abort", 1), ("error", 0)]:
@@ -274,15 +276,13 @@ def test_unexpected_finish_reason_still_counted():
 
 
 def _tiny_pair(request, tmp_path):
-    """The session's shared (target, identical draft) checkpoints when conftest has them, else our own."""
+    """The session's shared (target, noisy-copy draft) checkpoints when conftest has them, else our own."""
     try:
         return request.getfixturevalue("tiny_pair")
     except pytest.FixtureLookupError:
-        import shutil
-
-        from helpers import make_tiny_checkpoint
+        from helpers import make_noisy_copy, make_tiny_checkpoint
         target = make_tiny_checkpoint(tmp_path / "target", seed=0)
-        return target, shutil.copytree(target, tmp_path / "draft")
+        return target, make_noisy_copy(target, tmp_path / "draft", noise=0.1)
 
 
 @pytest.mark.slow   # a real engine on a tiny checkpoint: seconds, mostly torch/transformers start-up
@@ -293,7 +293,7 @@ def test_real_engine_steps(request, tmp_path):
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
 
-    target, draft = _tiny_pair(request, tmp_path)   # identical draft: greedy accepts every token
+    target, draft = _tiny_pair(request, tmp_path)   # a noisy copy: some drafts accepted, some rejected
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4,
                                  speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": 3}))
     metrics = Metrics(MODEL, engine.method)
@@ -314,7 +314,11 @@ def test_real_engine_steps(request, tmp_path):
     assert value(metrics, "generation_tokens_total", model_name=MODEL) == 3 * 12
     assert value(metrics, "prompt_tokens_total", model_name=MODEL) == 3 * 5
     assert value(metrics, "request_success_total", model_name=MODEL, finished_reason="length") == 3
-    assert value(metrics, "spec_decode_acceptance_rate", **sl) == 1.0
+    accepted, proposed = sum(s.num_accepted_tokens for s in steps), sum(s.num_draft_tokens for s in steps)
+    assert 0 < accepted < proposed
+    assert value(metrics, "spec_decode_acceptance_rate", **sl) == pytest.approx(accepted / proposed)
+    forwards = value(metrics, "spec_decode_num_target_forwards_total", **sl)
+    assert 3 * 12 == 3 + accepted + forwards   # each request: its first token, then accepted + one per pass
     assert value(metrics, "time_to_first_token_seconds_count", model_name=MODEL) == 3
     speedup = value(metrics, "spec_decode_estimated_speedup", **sl)
     assert math.isfinite(speedup) and speedup > 0
