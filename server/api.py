@@ -117,7 +117,7 @@ class Server:
     def totals(generation: Generation, num_prompt_tokens: int) -> dict[str, Any]:
         """The usage object, and specserve's speculation counters beside it (summed over choices)."""
         return {"usage": p.usage(num_prompt_tokens, generation.num_completion_tokens),
-                "speculative": p.speculative([c.spec for c in generation.choices])}
+                "speculative": p.speculative([c.spec for c in generation.choices], generation.num_discarded_tokens)}
 
     def stream(self, generation: Generation, first_chunks: list[dict],
                chunk: Callable[[Choice, str, int], dict | None], last_chunk: Callable[[], dict] | None

@@ -99,8 +99,13 @@ class AsyncEngine:
             raise errors[0]
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Drop a request (client gone, or a stop string ended it: reason "stop"). Never blocks."""
-        if self._queues.pop(request_id, None) is None:
+        """Drop a request (client gone, or a stop string ended it: reason "stop"). Never blocks.
+
+        A "stop" abort keeps the request's queue: whatever the engine generated before the abort
+        landed still arrives, then a final output with the request's last speculation counters, so
+        the response can account for every token the engine made for it."""
+        queue = self._queues.get(request_id) if reason == "stop" else self._queues.pop(request_id, None)
+        if queue is None:
             return   # finished, or aborted already
         try:
             self._submit([("abort", request_id, reason)])
@@ -209,14 +214,18 @@ class AsyncEngine:
     def _abort(self, request_id: str, reason: str) -> None:
         request = self.engine.requests.get(request_id)
         self.engine.abort_request(request_id)
-        if request is None or self.metrics is None:
-            return
-        # The engine sends no final output for an aborted request; count it with what it had.
+        if request is None:
+            return   # it had finished already: its final output is on its way
+        # The engine sends no final output for an aborted request: this one stands in for it.
         timing = RequestTiming(request.arrival_time, request.first_scheduled_time, request.first_token_time,
                                time.monotonic())
-        self.metrics.observe_request(RequestOutput(
-            request_id, [], finished=True, finish_reason=reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens, spec=request.spec_stats, timing=timing))
+        final = RequestOutput(request_id, [], finished=True, finish_reason=reason,
+                              num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+                              spec=request.spec_stats, timing=timing)
+        if self.metrics is not None:
+            self.metrics.observe_request(final)
+        if reason == "stop":
+            self._loop.call_soon_threadsafe(self._deliver, [final])
 
     def _observe_idle(self) -> None:
         """No step runs while idle, so refresh the engine-state gauges that steps would have set."""
@@ -249,10 +258,17 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    num_discarded: int = 0     # tokens the engine made for this choice that it does not return
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    def drain(self, output: RequestOutput) -> None:
+        """Take a delta that arrived after the choice ended (its stop string matched)."""
+        self.num_discarded += len(output.new_token_ids)
+        if output.finish_reason != "error":
+            self.spec = output.spec
 
     def consume(self, output: RequestOutput) -> tuple[str, int]:
         """Take one engine delta; return (new text, index of the first new token in token_ids).
@@ -264,6 +280,7 @@ class Choice:
             self.prompt_logprobs = output.prompt_logprobs
         self.spec = output.spec
         if not self.keep_output:
+            self.num_discarded += len(output.new_token_ids)
             if output.finished:
                 self.finish_reason = "length"
             return "", start
@@ -276,6 +293,7 @@ class Choice:
             pieces.append(piece)
             if stopped:
                 self.finish_reason = "stop"
+                self.num_discarded += len(output.new_token_ids) - j - 1
                 break
         if output.finished and self.finish_reason is None:
             piece, stopped = self.text_stream.finish()
@@ -299,23 +317,44 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, str, int]]:
         """(choice, new text, index of its first new token) per engine delta, until all are finished.
-        Raises RequestFailedError when the engine fails a choice, EngineDeadError when the loop dies."""
+        Raises RequestFailedError when the engine fails a choice, EngineDeadError when the loop dies.
+
+        A choice whose stop string matched is aborted in the engine and drained: the deltas the engine
+        made before the abort landed, and its final counters, are taken as discarded tokens, so that
+        usage + discarded tokens always equals what the engine generated (and counted in /metrics)."""
         pending = {c.request_id: c for c in self.choices}
-        while pending:
+        draining: dict[str, Choice] = {}
+        while pending or draining:
             item = await self.queue.get()
             if isinstance(item, EngineDeadError):
+                if not pending:
+                    break   # every response is complete; only the counters of stopped tails are lost
                 raise item
+            choice = draining.get(item.request_id)
+            if choice is not None:
+                self._count_discarded(choice, choice.drain, item)
+                if item.finished:
+                    del draining[item.request_id]
+                continue
             choice = pending.get(item.request_id)
             if choice is None:
                 continue
             if item.finish_reason == "error":
                 raise RequestFailedError(item.error or "the engine failed this request")
-            text, start = choice.consume(item)
+            text, start = self._count_discarded(choice, choice.consume, item)
             if choice.finish_reason is not None:
                 del pending[item.request_id]
                 if not item.finished:   # a stop string matched: the engine would go on
+                    draining[item.request_id] = choice
                     self.engine.abort(item.request_id, reason="stop")
             yield choice, text, start
+
+    def _count_discarded(self, choice: Choice, take, output: RequestOutput):
+        before = choice.num_discarded
+        result = take(output)
+        if choice.num_discarded > before and self.engine.metrics is not None:
+            self.engine.metrics.observe_discarded(choice.num_discarded - before)
+        return result
 
     async def run_to_end(self) -> None:
         async for _ in self.deltas():
@@ -329,3 +368,7 @@ class Generation:
     @property
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices if c.keep_output)
+
+    @property
+    def num_discarded_tokens(self) -> int:
+        return sum(c.num_discarded for c in self.choices)

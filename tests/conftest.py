@@ -1,7 +1,8 @@
 """Shared fixtures: a tiny target/draft checkpoint pair, and servers to test against.
 
-- tiny_pair: (target, draft) directories; the draft is a copy of the target, so speculation is on
-  and every draft token is accepted under greedy decoding.
+- tiny_pair: (target, draft) directories; the draft is the target with noise added to its weights,
+  so speculation accepts some drafts and rejects others (greedy acceptance about 0.55, sampled
+  about 0.95 at temperature 1): rejection and rollback run wherever it is used.
 - ServerProcess: `specserve serve ...` in a subprocess on a free loopback port (the real thing).
 - InProcessServer: uvicorn in a thread of the test process around an app we built, so a test can
   reach into the engine (slow it down, make it fail) while clients talk HTTP to it.
@@ -9,7 +10,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -26,13 +26,11 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": 
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
-    from helpers import make_tiny_checkpoint
+    from helpers import make_noisy_copy, make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_pair")
     target = make_tiny_checkpoint(root / "target", arch="llama", seed=0)
-    draft = root / "draft"
-    shutil.copytree(target, draft)
-    return target, draft
+    return target, make_noisy_copy(target, root / "draft", noise=0.1)
 
 
 def free_port() -> int:

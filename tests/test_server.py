@@ -1,9 +1,11 @@
 """The HTTP server end to end: real uvicorn processes driven by the official `openai` client.
 
 Two `specserve serve` subprocesses (one configured by flags, one by a YAML file plus SPECSERVE_*
-variables with an API key) serve a tiny random fp32 model whose draft is a copy of itself, so
-speculation is on. Tests that must reach into the engine (slow it down, make it fail, kill its
-loop) run uvicorn in-process around an engine they hold.
+variables with an API key) serve a tiny random fp32 model whose draft is a noisy copy of it, so
+drafts are accepted and rejected, and rollback runs, under every request. Every response's counters
+obey the accounting identity (assert_accounting). Tests that must reach into the engine (slow it
+down, make it fail, kill its loop) run uvicorn in-process around an engine they hold; so does a
+scripted model whose output is known byte for byte (stop strings inside multi-byte characters).
 """
 from __future__ import annotations
 
@@ -109,6 +111,19 @@ def wait_until_idle(url: str, timeout: float = 10.0) -> dict:
             return health
         assert time.monotonic() < deadline, f"engine not idle: {health}"
         time.sleep(0.05)
+
+
+def assert_accounting(result) -> dict:
+    """usage + discarded tokens = each choice's first token + accepted drafts + one token per target
+    pass (engine.outputs.SpecStats); result: an SDK object or a JSON dict with usage and speculative."""
+    body = result if isinstance(result, dict) else {"usage": result.usage.model_dump(),
+                                                    "speculative": result.model_extra["speculative"],
+                                                    "choices": result.choices}
+    spec, usage = body["speculative"], body["usage"]
+    num_choices = len(body["choices"]) or 1   # a streamed usage chunk has no choices: one per request here
+    assert usage["completion_tokens"] + spec["discarded"] == num_choices + spec["accepted"] + spec["target_forwards"], body
+    assert spec["accepted"] <= spec["proposed"]
+    return spec
 
 
 def assert_error(response: httpx.Response, status: int, param=None, code=None) -> dict:
@@ -244,13 +259,13 @@ def test_completions_greedy_equal_offline_llm(client, offline):
     assert single.choices[0].text == expected[0]
     assert single.usage.prompt_tokens == len(offline.tokenizer.encode(prompts[0]))
     assert single.usage.total_tokens == single.usage.prompt_tokens + single.usage.completion_tokens
-    spec = single.model_extra["speculative"]
-    assert spec["proposed"] > 0 and spec["accepted"] == spec["proposed"]   # the draft is the target
-    assert spec["target_forwards"] > 0
+    assert assert_accounting(single)["target_forwards"] > 0
 
     batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]
     assert [c.text for c in batch.choices] == expected
+    spec = assert_accounting(batch)
+    assert 0 < spec["accepted"] < spec["proposed"]   # the noisy draft: rejections and rollbacks happened
 
     ids = [offline.tokenizer.encode(p) for p in prompts]
     by_ids = client.completions.create(model=MODEL, prompt=ids[1], max_tokens=24, temperature=0)
@@ -266,6 +281,22 @@ def test_completions_n_uses_seed_plus_index(client):
     one = [client.completions.create(seed=seed, **args).choices[0].text for seed in (123, 124)]
     assert [c.text for c in both.choices] == one
     assert both.usage.completion_tokens == 24
+    assert assert_accounting(both)["proposed"] > 0
+
+
+def test_sampling_parameters_reach_the_engine(client, offline):
+    """temperature and seed change the text through HTTP: a server that dropped them would fail here."""
+    args = dict(model=MODEL, prompt="Once upon", max_tokens=16)
+    texts = {seed: client.completions.create(temperature=1.0, seed=seed, **args).choices[0].text
+             for seed in range(4)}
+    assert len(set(texts.values())) >= 3   # different seeds, different samples
+    assert client.completions.create(temperature=1.0, seed=2, **args).choices[0].text == texts[2]
+    assert greedy(offline, "Once upon", 16) not in texts.values()   # sampled, not greedy
+    cold = {client.completions.create(temperature=0, seed=seed, **args).choices[0].text for seed in range(3)}
+    assert cold == {greedy(offline, "Once upon", 16)}   # temperature 0 is greedy, whatever the seed
+    chat = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                                           temperature=1.0, seed=seed).choices[0].message.content for seed in (1, 2)]
+    assert chat[0] != chat[1]
 
 
 def test_completions_logprobs_echo_for_scoring(client, offline):
@@ -307,6 +338,7 @@ def test_completions_stream_equals_non_stream(client):
     assert tokens == full.choices[0].logprobs.tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert assert_accounting(full) == chunks[-1].model_extra["speculative"]
 
 
 def test_chat_non_streaming_and_streaming(server, client, offline):
@@ -322,6 +354,7 @@ def test_chat_non_streaming_and_streaming(server, client, offline):
     usage_chunk = chunks[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage == full.usage
     assert usage_chunk.model_extra["speculative"]["proposed"] > 0
+    assert assert_accounting(full) == usage_chunk.model_extra["speculative"]
     assert all(c.usage is None for c in chunks[:-1])
 
     prompt_ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
@@ -348,6 +381,7 @@ def test_stop_strings_across_token_boundaries(server, client, offline):
     assert stopped.choices[0].text == base[:start]
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens < 48
+    assert_accounting(stopped)
     chunks = list(client.completions.create(stream=True, **args))
     assert "".join(c.choices[0].text for c in chunks) == base[:start]
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -545,3 +579,62 @@ def test_chat_without_template_is_a_clear_400(make_server, tiny_pair):
                                         json={"messages": [{"role": "user", "content": "a"}]}), 400, "messages")
         assert "chat template" in error["message"]
         assert httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+# ---- a scripted model: stop strings inside multi-byte characters, EOS inside accepted runs ---------
+
+SCRIPT = "x€yé😀z"   # 12 byte tokens (the tiny tokenizer has one per byte), then EOS
+
+
+@pytest.fixture(scope="module")
+def scripted_server(tmp_path_factory):
+    """The scripted model drafting for itself (gamma 4, every draft accepted), served in-process."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from helpers import make_scripted_checkpoint
+    from server.api import create_app
+    from server.metrics import Metrics
+    from server.tokenizer import load_tokenizer
+    torch.set_num_threads(1)
+    path = str(make_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model", SCRIPT))
+    engine = Engine(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=8,
+                                 speculative={"method": "draft", "model": path, "num_speculative_tokens": 4}))
+    with InProcessServer(create_app(engine, load_tokenizer(path), MODEL, None, Metrics(MODEL, engine.method))) as s:
+        yield s
+
+
+@pytest.mark.parametrize("stop, text, num_tokens", [
+    (None, SCRIPT, 13),              # EOS is draft 2 of the third run: the output ends there
+    (["€"], "x", 4),                 # 3 bytes, the last one inside the first verified run
+    (["é😀"], "x€y", 11),            # 6 bytes over two runs
+    (["yé", "😁"], "x€", 7),         # 😁 shares three bytes with 😀: held back, then released
+    (["é😁", "€z"], SCRIPT, 13),     # near misses: everything comes out
+])
+def test_stop_strings_split_inside_multibyte_characters(scripted_server, stop, text, num_tokens):
+    body = {"model": MODEL, "prompt": "Q: ", "max_tokens": 30, "temperature": 0, "stop": stop}
+    full = httpx.post(scripted_server.url + "/v1/completions", json=body).json()
+    assert full["choices"][0]["text"] == text and full["choices"][0]["finish_reason"] == "stop"
+    assert full["usage"]["completion_tokens"] == num_tokens   # up to the end of the stop string
+    spec = assert_accounting(full)
+    if num_tokens not in (1, 6, 11, 13):   # the stop string ends inside a pass's run: the rest is discarded
+        assert spec["discarded"] > 0       # (at a run's end, the engine may or may not run one more pass)
+    with httpx.stream("POST", scripted_server.url + "/v1/completions", json={**body, "stream": True}) as r:
+        events = sse_events(r)
+    pieces = [e["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+    wait_until_idle(scripted_server.url)
+
+
+def test_eos_inside_an_accepted_run_over_http(scripted_server):
+    """13 tokens: the prefill's, then runs of 5, 5 and 2 (EOS is the third pass's own token; the two
+    drafts the target accepted after it are not counted)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 30, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", scripted_server.url + "/v1/chat/completions", json=body) as r:
+        events = sse_events(r)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == SCRIPT
+    assert events[-2]["usage"]["completion_tokens"] == 13
+    assert events[-2]["speculative"] == {"proposed": 12, "accepted": 9, "target_forwards": 3, "discarded": 0}
