@@ -66,6 +66,8 @@ class Server:
     def sampling_params(self, request: p._SamplingRequest, **fields) -> SamplingParams:
         if request.logit_bias:
             raise p.APIError(400, "logit_bias is not supported", param="logit_bias")
+        if request.stream_options is not None and not request.stream:
+            raise p.APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         try:
             return SamplingParams(**fields, **request.sampling_kwargs())
         except ValueError as exc:

@@ -175,7 +175,9 @@ def completion_logprobs(entries: list[TokenLogprob | None], token_ids: list[int]
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(finite(entry.logprob))
-        top = {token_str(t): finite(lp) for t, lp in entry.top}
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:   # best first: ids that decode to the same text keep the best
+            top.setdefault(token_str(token_id), finite(logprob))
         top.setdefault(text, finite(entry.logprob))
         out["top_logprobs"].append(top)
     return out, text_offset

@@ -4,10 +4,10 @@ target answers a real question; the draft's acceptance measured in the engine on
 (written here, in neither the training prompts nor Spec-Bench) stays at what the committed draft
 reached; speculative greedy output equals plain greedy output (fp32), for the draft and for the
 default config's n-gram speculation."""
-import os
 from pathlib import Path
 
 import pytest
+from ci import in_ci
 
 from engine import LLM, SamplingParams
 from server.config import read_yaml
@@ -26,8 +26,8 @@ PINNED_PROMPTS = [
 MIN_ACCEPTANCE = 0.08   # the committed draft measures 0.096 here (50 of 521, fp32, gamma 4); see models/README.md
 
 if not (TARGET / "config.json").exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{TARGET} is missing: `make test` prepares it (specserve prepare-default)")
+    if in_ci():   # `make test` prepares it: missing under CI is a broken setup, not a reason to skip
+        pytest.fail(f"{TARGET} is missing: `make test` prepares it (specserve prepare-default)", pytrace=False)
     pytest.skip("the default target is not prepared: run `make target`", allow_module_level=True)
 
 

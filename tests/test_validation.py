@@ -83,6 +83,15 @@ def test_wrong_stream_options(url, path, base, options, expected):
     assert expected in message and "got" in message, message
 
 
+@pytest.mark.parametrize("path,base", [("/v1/completions", {"prompt": "a"}),
+                                       ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_stream_options_need_stream(url, path, base):
+    """As OpenAI and vLLM answer: stream_options on a non-streaming request is a mistake, not a no-op."""
+    message = assert_400(post(url, path, {**base, "max_tokens": 1, "stream_options": {"include_usage": True}}),
+                         "stream_options")
+    assert "stream is true" in message, message
+
+
 @pytest.mark.parametrize("body,param,where", [
     ({"prompt": "a", "logprobs": True}, "logprobs", "logprobs"),      # completions' logprobs is a count
     ({"prompt": "a", "logprobs": "2"}, "logprobs", "logprobs"),
