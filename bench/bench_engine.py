@@ -34,11 +34,12 @@ def ours_tokens_per_s(llm: LLM, batch: list[list[int]], new_tokens: int, repeats
     return len(batch) * new_tokens / seconds
 
 
-def hf_tokens_per_s(path: str, dtype: torch.dtype, prompt: list[int], new_tokens: int, repeats: int) -> float:
+def hf_tokens_per_s(path: str, dtype: torch.dtype, device: torch.device, prompt: list[int], new_tokens: int,
+                    repeats: int) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    ids = torch.tensor([prompt])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    ids = torch.tensor([prompt], device=device)
 
     def run():
         with torch.inference_mode():
@@ -58,16 +59,16 @@ def main(argv=None) -> None:
 
     path = random_llama(args.model_dir)
     llm = LLM(path, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=16)
-    dtype = llm.engine.dtype
+    dtype, device = llm.engine.dtype, llm.engine.device
     num_params, num_streamed = checkpoint_param_counts(path)
     print(f"model: random Llama, {num_params / 1e6:.0f}M params, "
           f"dtype {str(dtype).replace('torch.', '')} (auto picks bf16 only where the CPU has native bf16), "
-          f"{torch.get_num_threads()} threads")
+          f"device {device}, {torch.get_num_threads()} CPU threads")
     batch1 = prompts(1, args.prompt_len)
     ours = ours_tokens_per_s(llm, batch1, args.new_tokens, args.repeats)
-    theirs = hf_tokens_per_s(path, dtype, batch1[0], args.new_tokens, args.repeats)
+    theirs = hf_tokens_per_s(path, dtype, device, batch1[0], args.new_tokens, args.repeats)
     weight_bytes = num_streamed * torch.tensor([], dtype=dtype).element_size()
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(device=device)
     bound = bandwidth / weight_bytes
     print(f"batch 1 greedy decode: ours {ours:.2f} tok/s, transformers {theirs:.2f} tok/s, ratio {ours / theirs:.2f}x")
     print(f"bandwidth bound: {weight_bytes / 1e9:.2f} GB of weights per token at {bandwidth / 1e9:.1f} GB/s "

@@ -40,14 +40,14 @@ def checkpoint_param_counts(path: str) -> tuple[int, int]:
     return total, streamed
 
 
-def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of summing a large bf16 tensor: what streaming weights can reach on this machine."""
-    x = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
-    x.sum()
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device="cpu") -> float:
+    """Bytes/s of summing a large bf16 tensor: what streaming weights can reach on this device."""
+    x = torch.ones(num_bytes // 2, dtype=torch.bfloat16, device=device)
+    x.sum().item()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        x.sum()
+        x.sum().item()   # .item() waits for the device
         best = min(best, time.perf_counter() - start)
     return num_bytes / best
 
