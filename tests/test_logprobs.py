@@ -17,7 +17,6 @@ recovered tokens (after a rejection) and bonus tokens are all checked; and the H
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from conftest import InProcessServer
-from helpers import make_tiny_checkpoint
+from helpers import make_noisy_copy, make_tiny_checkpoint
 
 TOL = 1e-4
 MODEL = "tiny"
@@ -41,25 +40,11 @@ def report_max_error():
 
 # ---- checkpoints, reference, engine runs ---------------------------------------------------------
 
-def noisy_copy(source: Path, path: Path, noise: float, seed: int = 0) -> Path:
-    """The checkpoint with noise (noise x each tensor's std) on every weight: a draft that agrees with
-    the target often, not always, so speculation accepts some drafts and rejects others."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(source, path)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = load_file(path / "model.safetensors")
-    tensors = {name: t + noise * t.std() * torch.randn(t.shape, generator=generator) if t.numel() > 1 else t
-               for name, t in tensors.items()}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("logprobs")
     target = make_tiny_checkpoint(root / "target", arch="llama", seed=0)
-    return target, noisy_copy(target, root / "draft", noise=0.1)
+    return target, make_noisy_copy(target, root / "draft", noise=0.1)
 
 
 @pytest.fixture(scope="module")
