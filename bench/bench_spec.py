@@ -29,7 +29,7 @@ from common import SMALL_DRAFT, random_llama, timed  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
-from engine.spec.base import Proposal  # noqa: E402
+from engine.spec_decode.base import Proposal  # noqa: E402
 
 
 class OracleProposer:

@@ -13,7 +13,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
-from engine.spec.base import Proposal
+from engine.spec_decode.base import Proposal
 from engine.verify import VerifyResult, verify
 
 logger = logging.getLogger("specserve.engine")

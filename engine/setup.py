@@ -17,9 +17,9 @@ from engine.models.loader import check_same_tokenizer, load_hf_config, load_mode
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
-from engine.spec.base import NoProposer, Proposal, Proposer
-from engine.spec.draft_model import DraftModelProposer
-from engine.spec.ngram import NgramProposer
+from engine.spec_decode.base import NoProposer, Proposal, Proposer
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.ngram import NgramProposer
 from engine.step_timer import PlainStepTimer
 from engine.verify import verify
 

@@ -15,8 +15,8 @@ from engine.model_runner import ForwardItem, ModelRunner
 from engine.outputs import TokenLogprob
 from engine.sampler import SamplingTensors, apply_penalties, compute_logprobs, warp_probs
 from engine.scheduler import ScheduledRequest
-from engine.spec.base import Proposal
-from engine.spec.rejection import rejection_sample
+from engine.spec_decode.base import Proposal
+from engine.spec_decode.rejection import rejection_sample
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Unit tests for engine/spec/rejection.py: edge cases, reproducibility, and a
+"""Unit tests for engine/spec_decode/rejection.py: edge cases, reproducibility, and a
 statistical check that speculative sampling emits exactly the target's distribution."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine.sampler import sample
-from engine.spec.rejection import rejection_sample
+from engine.spec_decode.rejection import rejection_sample
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -13,7 +13,7 @@ import engine.verify
 from engine import SamplingParams
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
-from engine.spec.rejection import rejection_sample
+from engine.spec_decode.rejection import rejection_sample
 
 MAX_TOKENS = 14
 

@@ -5,7 +5,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.scheduler import ScheduledRequest
-from engine.spec.base import Proposal
+from engine.spec_decode.base import Proposal
 
 
 def ngram_lookup(token_ids: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> list[int]:

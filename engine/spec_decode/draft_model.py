@@ -15,7 +15,7 @@ import torch
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.sampler import SamplingTensors, sample, warp_probs
 from engine.scheduler import ScheduledRequest
-from engine.spec.base import Proposal
+from engine.spec_decode.base import Proposal
 
 
 class DraftModelProposer:
