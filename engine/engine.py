@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
 from engine.outputs import RequestOutput, RequestTiming, SpecTotals, StepStats
 from engine.request import Request, RequestStatus
+from engine.sampler import PositionalNoise
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
@@ -55,6 +56,7 @@ class Engine:
         self.requests[request_id] = Request(
             request_id=request_id, token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
             params=params, arrival_time=time.monotonic(), generator=self._generator(params),
+            noise=PositionalNoise(params.seed, self.vocab_size, self.device) if self._seeded(params) else None,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
         )
         self.scheduler.add(self.requests[request_id])
@@ -71,13 +73,17 @@ class Engine:
                 f"{len(prompt_token_ids)} tokens and max_tokens is {params.max_tokens} "
                 f"({len(prompt_token_ids) + params.max_tokens} in all)")
 
+    @staticmethod
+    def _seeded(params: SamplingParams) -> bool:
+        return not params.greedy and params.seed is not None
+
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        if params.greedy:
+        """Unseeded sampled requests own a random stream (from the engine's seed), drawn in order and
+        verified by rejection sampling, which accepts the most drafts; seeded ones sample through
+        PositionalNoise, so their output does not depend on the batch."""
+        if params.greedy or params.seed is not None:
             return None
-        if params.seed is None:  # unseeded requests still own a stream, from the engine's seed
-            seed, self._next_seed = self._next_seed, self._next_seed + 1_000_003
-        else:
-            seed = params.seed
+        seed, self._next_seed = self._next_seed, self._next_seed + 1_000_003
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def abort_request(self, request_id: str) -> None:
@@ -126,6 +132,8 @@ class Engine:
             request.num_computed_tokens += item.num_new_tokens + result.num_accepted[i]
             had_output = request.num_output_tokens > 0
             new_tokens = self._append_tokens(request, result.token_ids[i], result.logprobs[i])
+            if request.noise is not None:
+                request.noise.forget_before(request.num_output_tokens)
             request.num_proposed += len(proposal.draft_token_ids[i])
             if had_output:   # the prefill's first token is no target forward of the decode phase
                 emitted_drafts[i] = len(new_tokens) - 1

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import SpecStats, TokenLogprob
+from engine.sampler import PositionalNoise
 from engine.sampling_params import SamplingParams
 
 
@@ -23,7 +24,8 @@ class Request:
     num_prompt_tokens: int
     params: SamplingParams
     arrival_time: float
-    generator: torch.Generator | None    # owned by this request: same draws whatever the batch
+    generator: torch.Generator | None    # unseeded sampled requests: owned by this request, drawn in order
+    noise: PositionalNoise | None = None  # seeded sampled requests: noise keyed by output position
     eos_token_ids: frozenset[int] = frozenset()
     status: RequestStatus = RequestStatus.WAITING
     # KV bookkeeping. The last token is never in the cache while decoding: the next

@@ -249,21 +249,63 @@ def fill_exponential_(out: Tensor, generator: torch.Generator | None) -> Tensor:
     return out.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+class PositionalNoise:
+    """Exp(1) noise for a seeded request, keyed by (seed, output position) instead of drawn in order.
+
+    A seeded request samples the token at output position j as argmax(p / E_j) (an exact draw from
+    p), and its draft model drafts position j as argmax(q / E_j) with the same E_j. Verification then
+    accepts a draft when the target's own draw equals it, and emits the target's draw at the first
+    mismatch. Whatever the draft length, the proposer, the batch or a preemption, the token at
+    position j is argmax(p_j / E_j): seeded output depends on the seed and the model alone. The price
+    is acceptance: agreement under this coupling is below the 1 - TV(p, q) of rejection sampling
+    (at least (1 - TV) / (1 + TV)); a deterministic draft (n-gram) loses nothing."""
+
+    def __init__(self, seed: int, vocab_size: int, device):
+        self.seed, self.vocab_size, self.device = seed, vocab_size, torch.device(device)
+        self._cache: dict[int, Tensor] = {}
+
+    def at(self, position: int) -> Tensor:
+        noise = self._cache.get(position)
+        if noise is None:
+            generator = torch.Generator(device=self.device).manual_seed(_mix(self.seed, position))
+            noise = fill_exponential_(torch.empty(self.vocab_size, device=self.device), generator)
+            self._cache[position] = noise
+        return noise
+
+    def forget_before(self, position: int) -> None:
+        for old in [p for p in self._cache if p < position]:
+            del self._cache[old]
+
+
+def _mix(seed: int, position: int) -> int:
+    """SplitMix64 of (seed, position): unrelated generator seeds for neighbouring positions."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & (2**63 - 1)
+
+
 def exponential_race(probs: Tensor, noise: Tensor) -> Tensor:
     """argmax(probs / noise) per row: a draw from probs (need not be normalised)."""
     return (probs / noise).argmax(dim=-1)
 
 
-def sample(probs: Tensor, is_greedy: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+def sample(probs: Tensor, is_greedy: Tensor, generators: list[torch.Generator | None],
+           noise: list[Tensor | None] | None = None) -> Tensor:
     """[N, V] probs -> [N] token ids. Greedy rows take the argmax and draw no
-    random numbers; sampled rows use their own generator (None: global RNG)."""
+    random numbers; sampled rows use their given noise row (PositionalNoise) if any, else
+    their own generator (None: global RNG)."""
     tokens = probs.argmax(dim=-1)
-    sampled_rows = [i for i, greedy in enumerate(is_greedy.tolist()) if not greedy]
-    if not sampled_rows:
-        return tokens
-    index = torch.tensor(sampled_rows, dtype=torch.long, device=probs.device)
-    noise = draw_exponentials([generators[i] for i in sampled_rows], probs.shape[-1], probs.device)
-    tokens[index] = exponential_race(probs[index], noise)   # not index_select: slow on wide rows
+    given = noise or [None] * len(probs)
+    sampled_rows = [i for i, greedy in enumerate(is_greedy.tolist()) if not greedy and given[i] is None]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, dtype=torch.long, device=probs.device)
+        drawn = draw_exponentials([generators[i] for i in sampled_rows], probs.shape[-1], probs.device)
+        tokens[index] = exponential_race(probs[index], drawn)   # not index_select: slow on wide rows
+    coupled = [i for i, greedy in enumerate(is_greedy.tolist()) if not greedy and given[i] is not None]
+    if coupled:
+        index = torch.tensor(coupled, dtype=torch.long, device=probs.device)
+        tokens[index] = exponential_race(probs[index], torch.stack([given[i] for i in coupled]))
     return tokens
 
 

@@ -13,7 +13,7 @@ import torch
 
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.outputs import TokenLogprob
-from engine.sampler import SamplingTensors, apply_penalties, compute_logprobs, warp_probs
+from engine.sampler import SamplingTensors, apply_penalties, compute_logprobs, exponential_race, warp_probs
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.base import Proposal
 from engine.spec_decode.rejection import rejection_sample
@@ -87,7 +87,8 @@ def _accept(scheduled, proposal: Proposal, logits: torch.Tensor, sample_rows: di
         draft_probs = proposal.draft_probs[torch.tensor(order, device=logits.device), :max_k]
     is_greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
     out, num_accepted = rejection_sample(target_probs, draft_ids.view(len(order), max_k), num_drafts,
-                                         draft_probs, is_greedy, [r.generator for r in requests])
+                                         draft_probs, is_greedy, [r.generator for r in requests],
+                                         _coupled_choice(requests, target_probs))
     out, num_accepted = out.tolist(), num_accepted.tolist()
     for b, i in enumerate(order):
         tokens = out[b][:num_accepted[b] + 1]
@@ -95,6 +96,20 @@ def _accept(scheduled, proposal: Proposal, logits: torch.Tensor, sample_rows: di
         wanted = requests[b].params.logprobs
         if wanted is not None:
             result.logprobs[i] = _logprobs(raw[b, :len(tokens)], tokens, wanted)
+
+
+def _coupled_choice(requests, target_probs: torch.Tensor) -> torch.Tensor | None:
+    """[B, K+1]: the target's own draw at each row for requests with PositionalNoise, -1 for others."""
+    coupled = [b for b, r in enumerate(requests) if r.noise is not None]
+    if not coupled:
+        return None
+    rows = target_probs.shape[1]
+    noise = torch.stack([torch.stack([requests[b].noise.at(requests[b].num_output_tokens + j) for j in range(rows)])
+                         for b in coupled])                                    # [C, K+1, V]
+    choice = torch.full(target_probs.shape[:2], -1, dtype=torch.long, device=target_probs.device)
+    choice[torch.tensor(coupled, device=target_probs.device)] = exponential_race(
+        target_probs[torch.tensor(coupled, device=target_probs.device)], noise)
+    return choice
 
 
 def _logprobs(rows: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:

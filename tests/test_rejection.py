@@ -341,3 +341,30 @@ def test_emitted_tokens_follow_the_target_distribution(one_hot_drafts):
 def test_statistical_test_rejects_a_broken_sampler(broken):
     p_first, p_joint = run_statistical(broken, one_hot_drafts=False)
     assert min(p_first, p_joint) < 1e-3, (p_first, p_joint)
+
+
+def test_coupled_rows_emit_the_targets_own_draws_and_draw_nothing():
+    """Seeded rows (PositionalNoise) come with the target's draw per row: accept while it equals the
+    draft, then emit it; q and the row's generator play no part."""
+    p = torch.full((3, 4, 5), 0.2)
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    choice = torch.tensor([[1, 2, 4, 0], [1, 2, 3, 4], [-1, -1, -1, -1]])   # row 2: not coupled
+    gens = [seeded(0), seeded(1), seeded(2)]
+    states = [g.get_state() for g in gens]
+    out, accepted = rejection_sample(p, drafts, torch.tensor([3, 3, 0]), torch.rand(3, 3, 5),
+                                     torch.tensor([False, False, False]), gens, choice)
+    assert accepted.tolist() == [2, 3, 0]
+    assert out[0].tolist() == [1, 2, 4, -1] and out[1].tolist() == [1, 2, 3, 4]
+    assert torch.equal(gens[0].get_state(), states[0]) and torch.equal(gens[1].get_state(), states[1])
+    assert not torch.equal(gens[2].get_state(), states[2])   # the ordinary sampled row drew its numbers
+
+
+def test_positional_noise_depends_on_seed_and_position_only():
+    from engine.sampler import PositionalNoise
+
+    a, b = PositionalNoise(7, 50, "cpu"), PositionalNoise(7, 50, "cpu")
+    assert torch.equal(a.at(3), b.at(3)) and not torch.equal(a.at(3), a.at(4))
+    assert not torch.equal(a.at(3), PositionalNoise(8, 50, "cpu").at(3))
+    first = a.at(5).clone()
+    a.forget_before(10)
+    assert torch.equal(a.at(5), first)   # forgotten, then drawn again: the same numbers

@@ -42,7 +42,9 @@ class DraftModelProposer:
         for step in range(max_k):
             tensors = SamplingTensors.from_params([params[a] for a in active], logits.device)
             probs = warp_probs(logits, tensors)
-            tokens = sample(probs, tensors.is_greedy, [generators[a] for a in active]).tolist()
+            noise = [None if requests[a].noise is None else requests[a].noise.at(requests[a].num_output_tokens + step)
+                     for a in active]   # seeded requests draft with the noise the target will draw with
+            tokens = sample(probs, tensors.is_greedy, [generators[a] for a in active], noise).tolist()
             for row, a in enumerate(active):
                 i = drafting[a]
                 drafts[i].append(tokens[row])

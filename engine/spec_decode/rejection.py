@@ -8,8 +8,14 @@ by token. Greedy rows accept while argmax(p_j) == x_j.
 
 All accept/reject math is batched; the only Python loop draws each sampled
 row's random numbers from its own generator, in a fixed order (num_draft
-uniforms, then one V-sized exponential draw for the extra token), so a seeded
-request is reproducible whatever else shares the batch.
+uniforms, then one V-sized exponential draw for the extra token).
+
+Coupled rows (seeded requests, engine.sampler.PositionalNoise) come with the
+target's own draw at every row, argmax(p_j / E_j); their drafts were drawn as
+argmax(q_j / E_j) with the same noise. A coupled row accepts while the target's
+draw equals the draft and emits the target's draw at the first mismatch (or the
+bonus): every emitted token is the target's draw, so the output is exactly p's,
+and the same for the same seed whatever the drafts were.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ def rejection_sample(
     draft_probs: Tensor | None,    # [B, K, V] warped draft q; None (or an all-zero row) = one-hot at the draft token
     is_greedy: Tensor,             # [B] bool
     generators: list[torch.Generator | None],
+    coupled_choice: Tensor | None = None,   # [B, K+1] the target's draw per row for coupled rows, -1 elsewhere
 ) -> tuple[Tensor, Tensor]:
     """Returns output_token_ids [B, K+1] (padded with -1) and num_accepted [B].
 
@@ -51,15 +58,18 @@ def rejection_sample(
         q_at_draft = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
         q_at_draft = torch.where(q_one_hot, torch.ones_like(q_at_draft), q_at_draft)
 
-    uniforms, noise = _draw_random(
-        is_greedy.tolist(), num_draft_tokens.tolist(), generators, max_draft, vocab_size, device
-    )
+    coupled = coupled_choice[:, 0] >= 0 if coupled_choice is not None else torch.zeros_like(greedy)
+    draws_nothing = [g or c for g, c in zip(is_greedy.tolist(), coupled.tolist())]
+    uniforms, noise = _draw_random(draws_nothing, num_draft_tokens.tolist(), generators, max_draft, vocab_size, device)
 
     # u < p/q, written without the division; p = 0 is never accepted (u >= 0),
     # p >= q always is (u < 1).
     accept_sampled = uniforms * q_at_draft < p_at_draft
     accept_greedy = target_probs[:, :max_draft].argmax(dim=-1) == drafts
-    accept = torch.where(greedy.unsqueeze(1), accept_greedy, accept_sampled) & valid
+    accept = torch.where(greedy.unsqueeze(1), accept_greedy, accept_sampled)
+    if coupled_choice is not None:
+        accept = torch.where(coupled.unsqueeze(1), coupled_choice[:, :max_draft] == drafts, accept)
+    accept = accept & valid
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)                                  # [B]
 
     # The extra token comes from p at the first unaccepted position; for a
@@ -77,6 +87,8 @@ def rejection_sample(
         extra_dist = torch.where(use_residual.unsqueeze(1), residual, extra_dist)
     # Greedy rows carry noise of ones, so the race is a plain argmax there.
     extra_token = exponential_race(extra_dist, noise)
+    if coupled_choice is not None:
+        extra_token = torch.where(coupled, coupled_choice[rows, num_accepted], extra_token)
 
     positions = torch.arange(num_rows, device=device).unsqueeze(0)
     accepted_part = torch.cat([drafts, drafts.new_zeros(batch_size, 1)], dim=1)
@@ -86,7 +98,7 @@ def rejection_sample(
 
 
 def _draw_random(
-    greedy: list[bool],
+    draws_nothing: list[bool],
     num_draft: list[int],
     generators: list[torch.Generator | None],
     max_draft: int,
@@ -94,11 +106,11 @@ def _draw_random(
     device,
 ) -> tuple[Tensor, Tensor]:
     """Per sampled row, in this order: num_draft uniforms, then V exponentials.
-    Greedy rows draw nothing (their uniforms are unused, their noise is 1)."""
-    uniforms = torch.ones(len(greedy), max_draft, dtype=torch.float32, device=device)
-    noise = torch.ones(len(greedy), vocab_size, dtype=torch.float32, device=device)
-    for b, is_greedy in enumerate(greedy):
-        if is_greedy:
+    Greedy and coupled rows draw nothing (their uniforms are unused, their noise is 1)."""
+    uniforms = torch.ones(len(draws_nothing), max_draft, dtype=torch.float32, device=device)
+    noise = torch.ones(len(draws_nothing), vocab_size, dtype=torch.float32, device=device)
+    for b, skip in enumerate(draws_nothing):
+        if skip:
             continue
         if num_draft[b] > 0:
             uniforms[b, : num_draft[b]] = torch.rand(num_draft[b], generator=generators[b], device=device)
