@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-SPEC_METHODS = ("draft", "ngram", "none")
+SPEC_METHODS = ("auto", "draft", "ngram", "none")
+PROPOSERS = ("draft", "ngram")
 MAX_SPEC_TOKENS = 16
 
 
@@ -18,9 +19,13 @@ def check_model_path(path: str, what: str) -> None:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "none"              # "draft" | "ngram" | "none"
-    model: str | None = None          # draft checkpoint directory (method "draft")
-    num_speculative_tokens: int = 4   # gamma
+    method: str = "none"              # "auto" | "draft" | "ngram" | "none"
+    model: str | None = None          # draft checkpoint directory (method "draft", or "auto" with a draft)
+    num_speculative_tokens: int = 4   # gamma: the most drafts a request verifies in one step
+    proposers: tuple[str, ...] | None = None   # method "auto": the proposers it may route to
+                                               # (default: "draft" when a model is given, and "ngram")
+    adaptive: bool = True             # the controller picks k per request and step; False: always gamma
+    draft_p_min: float | None = None  # confidence stop: a fixed bar; None: the controller sets it
     draft_temperature: float | None = None  # None: each request's own temperature
     ngram_max: int = 4
     ngram_min: int = 1
@@ -30,18 +35,33 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
         if self.method == "none":
+            object.__setattr__(self, "proposers", ())
             return
         gamma = self.num_speculative_tokens
         if not isinstance(gamma, int) or not 1 <= gamma <= MAX_SPEC_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {gamma!r}")
-        if self.method == "draft":
+        if self.method == "auto":
+            default = ("draft", "ngram") if self.model else ("ngram",)
+            object.__setattr__(self, "proposers", tuple(self.proposers or default))
+            unknown = [p for p in self.proposers if p not in PROPOSERS]
+            if unknown or not self.proposers:
+                raise ValueError(f"speculative.proposers must be a non-empty list of {list(PROPOSERS)}, "
+                                 f"got {list(self.proposers)}")
+        elif self.proposers is not None:
+            raise ValueError("speculative.proposers is for method 'auto' only")
+        else:
+            object.__setattr__(self, "proposers", (self.method,))
+        if "draft" in self.proposers:
             if not self.model:
-                raise ValueError("speculative method 'draft' needs a draft model path (speculative.model)")
+                raise ValueError(f"speculative method {self.method!r} with a draft needs a draft model path "
+                                 "(speculative.model)")
             check_model_path(self.model, "speculative draft model")
-        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
+        if "ngram" in self.proposers and not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature must be >= 0, got {self.draft_temperature}")
+        if self.draft_p_min is not None and not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min}")
 
     @property
     def gamma(self) -> int:

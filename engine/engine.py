@@ -29,7 +29,8 @@ class Engine:
         self.config = config
         parts: EngineParts = build_engine_parts(config)
         self.device, self.dtype = parts.device, parts.dtype
-        self.target, self.proposer = parts.target, parts.proposer
+        self.target, self.proposer = parts.target, parts.proposer   # proposer: the Router over every proposer
+        self.controller, self.costs = parts.controller, parts.costs
         self.pool: BlockPool = parts.pool
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
@@ -45,7 +46,8 @@ class Engine:
 
     @property
     def method(self) -> str:
-        return self.proposer.method
+        """The configured strategy: "auto", "draft", "ngram" or "none"."""
+        return self.config.speculative.method
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -92,28 +94,75 @@ class Engine:
         if request is not None and not request.is_finished:
             request.finish_reason = "abort"
             self.scheduler.remove(request)
+            self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._plan())
         if not batch.scheduled:
             return []
         try:
             t0 = time.perf_counter()
-            proposal = self.proposer.propose(batch.scheduled) if self.gamma else Proposal.empty(len(batch.scheduled))
+            proposal = self.proposer.propose(batch.scheduled)
             t1 = time.perf_counter()
             result = verify(self.target, batch.scheduled, proposal)
             t2 = time.perf_counter()
         except Exception as exc:  # one bad batch must not take the server down
             logger.exception("engine step failed")
             return self._fail(batch, exc)
+        self._learn(batch, proposal, result, t2 - t1)
         outputs, emitted_drafts = self._update(batch, proposal, result)
         self.last_stats = self._stats(batch, proposal, emitted_drafts, t1 - t0, t2 - t1, outputs)
         self.totals.add(self.last_stats)
         return outputs
+
+    # ---- speculation control ---------------------------------------------------------
+    def _plan(self) -> dict:
+        """The controller's (proposer, k) for every request whose next pass is a decode."""
+        decoding = self.scheduler.decoding()
+        if not decoding or not self.proposer.proposers:
+            return {}
+        candidates = []
+        for request in decoding:
+            limit = self.scheduler.draft_limit(request)
+            if request.params.num_speculative_tokens is not None:
+                limit = min(limit, request.params.num_speculative_tokens)
+            allowed = self._allowed(request)
+            caps = {m: self.proposer.proposers[m].max_drafts(request, limit) for m in allowed} if limit else {}
+            lags = {m: self.proposer.proposers[m].catch_up_tokens(request) for m in allowed}
+            candidates.append((request.request_id, caps, lags))
+        return self.controller.plan(candidates, self._pending_prefill(len(decoding)))
+
+    def _allowed(self, request: Request) -> list[str]:
+        """The proposers this request may use: the engine's, narrowed by the request's own choice."""
+        wanted = request.params.speculative_method
+        if wanted is None or wanted == "auto":
+            return self.proposer.methods
+        return [m for m in self.proposer.methods if m == wanted]
+
+    def _pending_prefill(self, num_decoding: int) -> int:
+        """Prompt tokens likely to share the next pass with the decodes (for the step-time estimate)."""
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running if r.num_output_tokens == 0)
+        pending += sum(r.num_tokens for r in self.scheduler.waiting)
+        return max(0, min(pending, self.config.max_num_batched_tokens - num_decoding))
+
+    def _learn(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, verify_time: float) -> None:
+        """Feed the controller what verification made of each draft, and the cost model the pass time."""
+        for i, item in enumerate(batch.scheduled):
+            if not item.is_decode:
+                continue
+            drafts = proposal.draft_token_ids[i]
+            if drafts:
+                self.controller.observe(item.request.request_id, item.method, len(drafts), result.num_accepted[i])
+        tokens = sum(s.num_new_tokens for s in batch.scheduled) + sum(len(d) for d in proposal.draft_token_ids)
+        self.costs.target.observe(tokens, verify_time)
+
+    def _forget(self, request_id: str) -> None:
+        self.proposer.on_finish(request_id)
+        self.controller.on_finish(request_id)
 
     # ---- update: bookkeeping only ------------------------------------------------
     def _update(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult
@@ -135,15 +184,21 @@ class Engine:
             if request.noise is not None:
                 request.noise.forget_before(request.num_output_tokens)
             request.num_proposed += len(proposal.draft_token_ids[i])
+            if item.is_decode:
+                method = item.method if proposal.draft_token_ids[i] else "none"
+                request.passes_by_method[method] = request.passes_by_method.get(method, 0) + 1
+                k = len(proposal.draft_token_ids[i])
+                request.passes_by_k[k] = request.passes_by_k.get(k, 0) + 1
             if had_output:   # the prefill's first token is no target forward of the decode phase
                 emitted_drafts[i] = len(new_tokens) - 1
                 request.num_accepted += emitted_drafts[i]
                 request.num_target_forwards += 1
-            # Rollback past the first rejection: the draft's cache and the tail blocks.
-            request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+            # Rollback past the first rejection: the proposers' cursors and the tail blocks.
+            self.proposer.on_verified(request)
             if request.is_finished:
                 self.scheduler.remove(request)
                 self.requests.pop(request.request_id, None)
+                self._forget(request.request_id)
             else:
                 self.pool.trim(request.block_table, request.num_tokens)
                 self._publish_blocks(request)
@@ -179,10 +234,9 @@ class Engine:
                 request.prompt_logprobs[start + j + 1] = entry
 
     def _publish_blocks(self, request: Request) -> None:
-        final = request.num_computed_tokens
-        if self.method == "draft":   # a cached block must hold valid KV in both caches
-            final = min(final, request.num_draft_computed_tokens)
-        self.pool.cache_full_blocks(request.block_table, request.block_hashes, request.token_ids, final)
+        # Target KV only: a request that reuses a cached prefix starts its draft's cache empty.
+        self.pool.cache_full_blocks(request.block_table, request.block_hashes, request.token_ids,
+                                    request.num_computed_tokens)
 
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         prompt_logprobs = None
@@ -209,6 +263,7 @@ class Engine:
             request.finish_reason, request.status = "error", RequestStatus.FINISHED
             self.scheduler.remove(request)
             self.requests.pop(request.request_id, None)
+            self._forget(request.request_id)
             outputs.append(RequestOutput(request.request_id, [], True, "error", request.num_prompt_tokens,
                                          request.num_output_tokens, error=f"{type(exc).__name__}: {exc}"))
         return outputs
@@ -225,6 +280,12 @@ class Engine:
                     per_position[pos] += 1
         num_forwards = sum(e is not None for e in emitted_drafts)
         pure_decode = all(item.is_decode for item in batch.scheduled)
+        by_method: dict[str, list[int]] = {}
+        for item, drafts, emitted in zip(batch.scheduled, proposal.draft_token_ids, emitted_drafts):
+            if drafts:
+                counts = by_method.setdefault(item.method, [0, 0])
+                counts[0] += len(drafts)
+                counts[1] += emitted or 0
         num_draft_tokens = sum(len(d) for d in proposal.draft_token_ids)
         if pure_decode and num_draft_tokens == 0:
             self.step_timer.observe(len(batch.scheduled), verify_time)   # a real plain decode step
@@ -240,6 +301,9 @@ class Engine:
             draft_time_s=draft_time, verify_time_s=verify_time,
             plain_step_time_s=self.step_timer.estimate(len(batch.scheduled)) if pure_decode else None,
             finished_reasons=tuple(o.finish_reason for o in outputs if o.finished),
+            chosen_k=tuple(len(d) for item, d in zip(batch.scheduled, proposal.draft_token_ids) if item.is_decode),
+            drafts_by_method=tuple((m, p, a) for m, (p, a) in sorted(by_method.items())),
+            predicted_time_s=self.controller.last_predicted_time if pure_decode else None,
         )
 
 

@@ -27,6 +27,8 @@ class SpecStats:
     accepted: int = 0         # proposed draft tokens that were accepted and emitted
     target_forwards: int = 0  # target passes that emitted tokens after the first (decode / verify passes,
                               # and the recomputation pass after a preemption)
+    passes_by_method: dict[str, int] = field(default_factory=dict)   # decode passes per proposer ("none": k 0)
+    passes_by_k: dict[int, int] = field(default_factory=dict)        # decode passes per number of drafts
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class StepStats:
     plain_step_time_s: float | None   # estimate of a plain decode step at this batch size (None: unknown yet)
     finished_reasons: tuple[str, ...] = ()   # finish reasons of requests that ended this step
     pure_decode: bool = False         # every scheduled request ran a decode / verify pass (no prefill work)
+    chosen_k: tuple[int, ...] = ()    # per decode pass: the drafts it verified (0: plain decoding)
+    drafts_by_method: tuple[tuple[str, int, int], ...] = ()   # (proposer, proposed, accepted) this step
+    predicted_time_s: float | None = None    # the controller's prediction of draft + verify time
 
 
 @dataclass

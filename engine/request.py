@@ -30,14 +30,16 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # KV bookkeeping. The last token is never in the cache while decoding: the next
     # forward pass feeds it (plus any draft tokens).
-    num_computed_tokens: int = 0         # positions whose KV is in the target cache
-    num_draft_computed_tokens: int = 0   # the same for the draft model's cache
+    num_computed_tokens: int = 0         # positions whose KV is in the target cache (a draft model's
+                                         # own cursor is its proposer's business)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     # Speculation statistics (decode passes only, so recomputation never double-counts).
     num_proposed: int = 0
     num_accepted: int = 0
     num_target_forwards: int = 0
+    passes_by_method: dict[str, int] = field(default_factory=dict)   # decode passes per proposer ("none": k = 0)
+    passes_by_k: dict[int, int] = field(default_factory=dict)        # decode passes per number of drafts
     num_preemptions: int = 0
     # Outputs not yet handed back, and results kept for the final output.
     num_emitted: int = 0                 # output tokens already returned in RequestOutputs
@@ -71,12 +73,12 @@ class Request:
 
     @property
     def spec_stats(self) -> SpecStats:
-        return SpecStats(self.num_proposed, self.num_accepted, self.num_target_forwards)
+        return SpecStats(self.num_proposed, self.num_accepted, self.num_target_forwards,
+                         dict(self.passes_by_method), dict(self.passes_by_k))
 
     def reset_for_recompute(self) -> None:
         """After preemption: the cache is gone, every token is recomputed as a prompt."""
         self.num_computed_tokens = 0
-        self.num_draft_computed_tokens = 0
         self.block_hashes.clear()
         self.num_preemptions += 1
         self.status = RequestStatus.WAITING

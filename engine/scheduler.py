@@ -1,11 +1,14 @@
 """Continuous batching under a token budget.
 
 Every request is just "the tokens it still needs": a prompt chunk, one decode
-token, or one decode token plus k draft tokens. Each step the scheduler walks
-the running requests (oldest first), then admits waiting ones while the
-token budget, max_num_seqs and the block pool allow. When the pool runs dry,
-the newest running request is preempted: its blocks are freed and it is
-recomputed later from its tokens, so nothing is ever lost.
+token, or one decode token plus k draft tokens. Each step the scheduler serves
+the decoding requests first (oldest first; each one's k comes from the plan the
+engine's controller makes for them), then the running requests still
+prefilling, then admits waiting ones, while the token budget, max_num_seqs and
+the block pool allow: a long prompt never starves the decodes. When the pool
+runs dry, a request first gives up its drafts; only then is the newest running
+request preempted: its blocks are freed and it is recomputed later from its
+tokens, so nothing is ever lost.
 """
 from __future__ import annotations
 
@@ -25,12 +28,16 @@ class ScheduledRequest:
     num_lookahead: int         # draft tokens it may verify this step (slots reserved)
     samples: bool              # feeds the request's last token, so a new token comes out
     is_decode: bool            # feeds only the last generated token: a decode / verification pass
+    method: str = "none"       # the proposer drafting for it this step
+    p_min: float = 0.0         # confidence stop for a model draft (see spec_decode.controller)
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int, num_lookahead: int = 0) -> "ScheduledRequest":
+    def of(cls, request: Request, num_new_tokens: int, num_lookahead: int = 0, method: str = "none",
+           p_min: float = 0.0) -> "ScheduledRequest":
         samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
         is_decode = samples and num_new_tokens == 1 and request.num_output_tokens > 0
-        return cls(request, num_new_tokens, num_lookahead, samples, is_decode)
+        return cls(request, num_new_tokens, num_lookahead, samples, is_decode,
+                   method if num_lookahead else "none", p_min)
 
 
 @dataclass
@@ -46,7 +53,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.gamma = num_speculative_tokens
+        self.gamma = num_speculative_tokens   # the most drafts one request may verify in a step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -67,38 +74,68 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def draft_limit(self, request: Request) -> int:
+        """Draft tokens worth verifying: no more than gamma, than can still be emitted or fit the context."""
+        room_in_output = request.params.max_tokens - request.num_output_tokens - 1
+        room_in_context = self.max_model_len - request.num_tokens
+        return max(0, min(self.gamma, room_in_output, room_in_context))
+
+    def decoding(self) -> list[Request]:
+        """Running requests whose next pass is a decode (or verification): only their last token is new."""
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0]
+
+    def schedule(self, plans: dict | None = None) -> SchedulerOutput:
+        """plans: request id -> Plan (method, k, p_min) for the decoding requests; none: no drafts."""
         out = SchedulerOutput()
+        plans = plans or {}
+        decoding = self.decoding()
+        decoding_ids = {r.request_id for r in decoding}
         budget = self.max_num_batched_tokens
-        for request in list(self.running):
+        for i, request in enumerate(decoding):
             if request.status is not RequestStatus.RUNNING or budget == 0:
-                continue  # preempted earlier in this loop, or out of budget this step
-            item = self._schedule_running(request, budget, out)
+                continue   # preempted earlier in this loop, or out of budget this step
+            plan = plans.get(request.request_id)
+            # Every later decode keeps its one token of budget.
+            k = min(plan.k, self.draft_limit(request), budget - 1 - (len(decoding) - 1 - i)) if plan else 0
+            item = self._schedule_decode(request, max(k, 0), plan, out)
             if item is not None:
                 out.scheduled.append(item)
-                budget -= item.num_new_tokens + item.num_lookahead
+                budget -= 1 + item.num_lookahead
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or budget == 0 or request.request_id in decoding_ids:
+                continue
+            item = self._schedule_prefill(request, budget, out)
+            if item is not None:
+                out.scheduled.append(item)
+                budget -= item.num_new_tokens
         if not out.preempted:  # admitting new work while evicting would thrash
             self._admit_waiting(budget, out)
         return out
 
-    def _draft_budget(self, request: Request, budget: int) -> int:
-        """Draft tokens worth verifying: no more than can still be emitted or fit the context."""
-        room_in_output = request.params.max_tokens - request.num_output_tokens - 1
-        room_in_context = self.max_model_len - request.num_tokens
-        return max(0, min(self.gamma, budget - 1, room_in_output, room_in_context))
+    def _schedule_decode(self, request: Request, k: int, plan, out: SchedulerOutput) -> ScheduledRequest | None:
+        """Blocks for the last token plus k drafts; drop the drafts before preempting anyone."""
+        for lookahead in dict.fromkeys((k, 0)):
+            if self.pool.allocate(request.block_table, request.num_tokens + lookahead):
+                return ScheduledRequest.of(request, 1, lookahead, plan.method if plan else "none",
+                                           plan.p_min if plan else 0.0)
+        if not self._make_room(request, request.num_tokens, out):
+            return None
+        return ScheduledRequest.of(request, 1)
 
-    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
-        remaining = request.num_tokens - request.num_computed_tokens
-        num_new = min(remaining, budget)
-        decoding = num_new == remaining == 1 and request.num_output_tokens > 0
-        lookahead = self._draft_budget(request, budget) if decoding else 0
-        needed = request.num_computed_tokens + num_new + lookahead
+    def _schedule_prefill(self, request: Request, budget: int, out: SchedulerOutput) -> ScheduledRequest | None:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self._make_room(request, request.num_computed_tokens + num_new, out):
+            return None
+        return ScheduledRequest.of(request, num_new)
+
+    def _make_room(self, request: Request, needed: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `needed` slots fit; False if it was this one."""
         while not self.pool.allocate(request.block_table, needed):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is request:
-                return None
-        return ScheduledRequest.of(request, num_new, lookahead)
+                return False
+        return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -115,12 +152,11 @@ class Scheduler:
                 self.pool.take(cached)
                 request.block_table.extend(cached)
                 request.num_computed_tokens = len(cached) * self.pool.block_size
-                request.num_draft_computed_tokens = request.num_computed_tokens
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.pool.allocate(request.block_table, request.num_computed_tokens + num_new):
                 # Not enough room yet: give the prefix blocks back and wait for running work to finish.
                 self.pool.free(request.block_table)
-                request.num_computed_tokens = request.num_draft_computed_tokens = 0
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

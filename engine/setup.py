@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +18,11 @@ from engine.models.loader import check_same_tokenizer, load_hf_config, load_mode
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
-from engine.spec_decode.base import NoProposer, Proposal, Proposer
+from engine.spec_decode.base import Proposal, Proposer, Router
+from engine.spec_decode.controller import SpecController
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramProposer
-from engine.step_timer import PlainStepTimer
+from engine.step_timer import PlainStepTimer, StepCostModel
 from engine.verify import verify
 
 logger = logging.getLogger("specserve.engine")
@@ -34,7 +36,9 @@ class EngineParts:
     device: torch.device
     dtype: torch.dtype
     target: ModelRunner
-    proposer: Proposer
+    proposer: Router
+    controller: SpecController
+    costs: StepCostModel
     pool: BlockPool
     max_model_len: int
     vocab_size: int
@@ -80,14 +84,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     draft_dtype = _DTYPES[spec.dtype] if spec.dtype else dtype
     # Each runner decides from its own dtype: flash-attn has no fp32 kernels.
     target_flash = flash_available(device) and dtype != torch.float32
-    draft_flash = flash_available(device) and draft_dtype != torch.float32 and spec.method == "draft"
+    draft_flash = flash_available(device) and draft_dtype != torch.float32 and "draft" in spec.proposers
     block_size = config.block_size or (FLASH_BLOCK_SIZE if target_flash or draft_flash else 16)
     if (target_flash or draft_flash) and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
     target_model = _load(config.model, dtype, device)
     draft_model = draft_config = None
-    if spec.method == "draft":
+    if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
         draft_model = _load(spec.model, draft_dtype, device)
@@ -103,20 +107,25 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
     target = ModelRunner(target_model, num_blocks, block_size, dtype, device, target_flash)
-    proposer: Proposer = NoProposer()
-    if spec.method == "draft":
-        proposer = DraftModelProposer(ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
-                                      hf_config.vocab_size, spec.draft_temperature)
-    elif spec.method == "ngram":
-        proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+    costs = StepCostModel()
+    proposers: dict[str, Proposer] = {}
+    if "draft" in spec.proposers:
+        proposers["draft"] = DraftModelProposer(
+            ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
+            hf_config.vocab_size, spec.draft_temperature, on_forward=costs.draft.observe)
+    if "ngram" in spec.proposers:
+        proposers["ngram"] = NgramProposer(spec.ngram_min, spec.ngram_max)
+    router = Router(proposers, hf_config.vocab_size)
+    controller = SpecController(list(proposers), spec.gamma, costs, spec.adaptive, spec.draft_p_min)
 
     timer = PlainStepTimer()
     if spec.gamma:
-        _calibrate(timer, target, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH))
+        _calibrate(timer, costs, target, proposers.get("draft"), pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH),
+                   spec.gamma)
     logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
                 "sliding_window=%s, speculative=%s gamma=%d", config.model, str(dtype).replace("torch.", ""), device,
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
-    return EngineParts(device, dtype, target, proposer, pool, max_model_len, hf_config.vocab_size,
+    return EngineParts(device, dtype, target, router, controller, costs, pool, max_model_len, hf_config.vocab_size,
                        eos_token_ids(config.model, hf_config), timer)
 
 
@@ -141,22 +150,57 @@ def _max_model_len(config: EngineConfig, target, draft, kv_capacity: int) -> int
     return min(limits)
 
 
-def _calibrate(timer: PlainStepTimer, target: ModelRunner, pool: BlockPool, max_batch: int) -> None:
-    """Time plain greedy decode steps through the real verification path, on scratch blocks."""
+def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner, draft, pool: BlockPool,
+               max_batch: int, gamma: int) -> None:
+    """Time plain greedy decode steps through the real verification path on scratch blocks (the
+    plain-step timer, and the cost model's target curve at 1..max_batch tokens), verification-shaped
+    passes of gamma + 1 tokens per request (the curve at more tokens), and draft forwards."""
     context = 2 * pool.block_size
-    max_batch = min(max_batch, pool.num_free_blocks // 2)
+    max_batch = min(max_batch, pool.num_free_blocks // 4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
-    def decode_step(batch: int) -> None:
-        scheduled = []
+    def requests(batch: int) -> list[Request]:
+        out = []
         for i in range(batch):
             request = Request(f"calibration-{i}", [0] * context, context - 1, params, arrival_time=0.0,
                               generator=None, num_computed_tokens=context - 1)
-            pool.allocate(request.block_table, context)
-            scheduled.append(ScheduledRequest.of(request, 1))
-        verify(target, scheduled, Proposal.empty(batch))
-        for item in scheduled:
-            pool.free(item.request.block_table)
+            pool.allocate(request.block_table, context + gamma)
+            out.append(request)
+        return out
 
-    if max_batch >= 1:
-        timer.calibrate(decode_step, max_batch)
+    def release(scheduled: list[Request]) -> None:
+        for request in scheduled:
+            pool.free(request.block_table)
+
+    def target_pass(batch: int, lookahead: int) -> float:
+        scheduled = requests(batch)
+        proposal = Proposal([[1] * lookahead for _ in scheduled], None)
+        items = [ScheduledRequest.of(r, 1, lookahead) for r in scheduled]
+        verify(target, items, proposal)   # warm-up
+        start = time.perf_counter()
+        for _ in range(3):
+            verify(target, items, proposal)
+        release(scheduled)
+        return (time.perf_counter() - start) / 3
+
+    if max_batch < 1:
+        return
+    batch = 1
+    while batch <= max_batch:
+        seconds = target_pass(batch, 0)
+        timer.seconds[batch] = seconds
+        costs.target.observe(batch, seconds)
+        if batch * (gamma + 1) > max_batch:
+            costs.target.observe(batch * (gamma + 1), target_pass(batch, gamma))
+        batch *= 2
+    if draft is not None:
+        batch = 1
+        while batch <= max_batch:
+            scheduled = requests(batch)
+            items = [ScheduledRequest.of(r, 1, 1, "draft") for r in scheduled]
+            for _ in range(3):
+                draft.propose(items)   # times itself into costs.draft
+            for r in scheduled:
+                draft.on_finish(r.request_id)
+            release(scheduled)
+            batch *= 2

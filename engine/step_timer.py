@@ -44,3 +44,57 @@ class PlainStepTimer:
                 run_decode_step(batch)
             self.seconds[batch] = (time.perf_counter() - start) / repeats
             batch *= 2
+
+
+class CostCurve:
+    """Seconds of one forward pass as a function of the rows (tokens) it processes: moving averages
+    per power-of-two bucket of rows, interpolated linearly in between and extrapolated past the
+    largest bucket from the last two."""
+
+    def __init__(self, smoothing: float = 0.1):
+        self.smoothing = smoothing
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        b = PlainStepTimer.bucket(rows)
+        old = self.seconds.get(b)
+        self.seconds[b] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def __call__(self, rows: int) -> float:
+        if rows <= 0 or not self.seconds:
+            return 0.0
+        points = sorted(self.seconds.items())
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if rows <= x1:
+                return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+        if len(points) == 1:
+            return points[0][1] * rows / points[0][0]
+        (x0, y0), (x1, y1) = points[-2:]
+        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (rows - x1)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.seconds)
+
+
+class StepCostModel:
+    """Predicted time of one engine step: the target pass as a function of the tokens in it, plus
+    each draft-model forward as a function of its rows. The engine calibrates both at start-up and
+    keeps refining them from every step it runs (the target pass) and every draft forward."""
+
+    def __init__(self):
+        self.target = CostCurve()
+        self.draft = CostCurve()
+
+    def step_time(self, num_tokens: int, draft_rows: list[int]) -> float:
+        """num_tokens fed to the target; draft_rows: rows of each sequential draft forward."""
+        return self.target(num_tokens) + sum(self.draft(rows) for rows in draft_rows)
+
+    def draft_forward(self, rows: int) -> float:
+        return self.draft(rows)
+
+    def per_token(self, num_tokens: int) -> float:
+        """Marginal target cost of one more token in a pass of num_tokens."""
+        return max(self.target(num_tokens + 1) - self.target(num_tokens), 0.0)

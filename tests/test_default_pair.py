@@ -45,7 +45,7 @@ def plain():
 @pytest.fixture(scope="module")
 def speculative():
     return LLM(str(TARGET), dtype="float32", speculative={"method": "draft", "model": str(DRAFT),
-                                                          "num_speculative_tokens": GAMMA})
+                                                          "num_speculative_tokens": GAMMA, "adaptive": False})
 
 
 def test_the_target_answers_a_question(plain):

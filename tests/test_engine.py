@@ -51,8 +51,8 @@ def run_engine(engine: Engine, prompts, params) -> tuple[list[list[int]], list]:
     schedules = []
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(plans=None):
+        out = schedule(plans)
         schedules.append([(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled]
                          + [("preempted", len(out.preempted), None)])
         return out

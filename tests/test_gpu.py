@@ -40,7 +40,7 @@ def test_engine_on_cuda_matches_cpu(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", seed=0)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [7] * 40, [9, 8]]
-    spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 4}
+    spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 4, "adaptive": False}
     cpu = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params)
     gpu = LLM(str(path), dtype="float32", device="cuda", speculative=spec).generate(prompts, params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
@@ -53,7 +53,7 @@ def test_bf16_target_with_fp32_draft_on_cuda(tmp_path):
     from engine import LLM, SamplingParams
 
     path = make_tiny_checkpoint(tmp_path / "tiny", arch="llama", seed=0)
-    spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 3, "dtype": "float32"}
+    spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 3, "adaptive": False, "dtype": "float32"}
     llm = LLM(str(path), dtype="bfloat16", device="cuda", speculative=spec)
     assert not llm.engine.proposer.runner.use_flash
     assert llm.engine.target.use_flash == flash_available(torch.device("cuda"))
@@ -68,7 +68,7 @@ def test_sliding_window_on_cuda_matches_cpu(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "mistral", arch="mistral", seed=11, sliding_window=16)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [list(range(30, 60)), [9, 8, 7]]
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     cpu = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params)
     gpu = LLM(str(path), dtype="float32", device="cuda", max_num_batched_tokens=12, speculative=spec).generate(
         prompts, params)

@@ -64,7 +64,7 @@ def reference(checkpoints):
 def speculative(method: str, checkpoints) -> dict | None:
     if method == "none":
         return None
-    spec = {"method": method, "num_speculative_tokens": 3}
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
     return {**spec, "model": str(checkpoints[1])} if method == "draft" else spec
 
 

@@ -359,8 +359,8 @@ def test_window_metadata_must_match_the_layer():
         model(torch.arange(6), torch.arange(6), meta, new_kv_caches(model))
 
 
-@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3},
-                                         {"method": "draft", "num_speculative_tokens": 3}],
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+                                         {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}],
                          ids=["plain", "ngram", "draft"])
 def test_engine_generates_past_the_window(tmp_path, speculative):
     """The whole engine on a windowed Mistral: a chunked prompt and 40 greedy tokens, three windows

@@ -64,9 +64,9 @@ def plain_greedy(paths, prompts):
 
 def spec_config(paths, kind: str, gamma: int) -> dict:
     if kind == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": gamma, "ngram_max": 3}
+        return {"method": "ngram", "num_speculative_tokens": gamma, "adaptive": False, "ngram_max": 3}
     draft = paths["target"] if kind == "copy_draft" else paths["random_draft"]
-    return {"method": "draft", "model": draft, "num_speculative_tokens": gamma}
+    return {"method": "draft", "model": draft, "num_speculative_tokens": gamma, "adaptive": False}
 
 
 @pytest.mark.parametrize("kind", ["copy_draft", "random_draft", "ngram"])
@@ -115,7 +115,7 @@ def test_acceptance_counts_with_copy_draft(paths, prompts, gamma):
     rounds = 3
     params = SamplingParams(max_tokens=1 + rounds * (gamma + 1), temperature=0.0, ignore_eos=True)
     config = EngineConfig(model=paths["target"], dtype="float32",
-                          speculative={"method": "draft", "model": paths["target"], "num_speculative_tokens": gamma})
+                          speculative={"method": "draft", "model": paths["target"], "num_speculative_tokens": gamma, "adaptive": False})
     tokens, finals = generate(config, prompts, params)
     for t, f in zip(tokens, finals):
         assert f.spec.proposed == f.spec.accepted == rounds * gamma
@@ -171,7 +171,7 @@ def test_output_ending_inside_an_accepted_run(scripted, end, expected_tokens, ac
     params = SamplingParams(max_tokens=8 if end == "length" else 30, temperature=0.0,
                             stop_token_ids=[ord("y")] if end == "stop_token" else ())
     config = EngineConfig(model=scripted, dtype="float32",
-                          speculative={"method": "draft", "model": scripted, "num_speculative_tokens": 4})
+                          speculative={"method": "draft", "model": scripted, "num_speculative_tokens": 4, "adaptive": False})
     tokens, finals = generate(config, [list(b"Q: ")], params)
     assert tokens[0] == expected_tokens
     assert finals[0].finish_reason == ("length" if end == "length" else "stop")
@@ -191,7 +191,7 @@ def test_seeded_speculative_output_is_independent_of_the_batch(paths, prompts, p
     limits = {"token_budget": dict(max_num_batched_tokens=12),
               "kv_cache": dict(block_size=4, num_kv_blocks=32, max_num_batched_tokens=24)}[pressure]
     config = EngineConfig(model=paths["target"], dtype="float32", **limits,
-                          speculative={"method": "draft", "model": paths["random_draft"], "num_speculative_tokens": 4})
+                          speculative={"method": "draft", "model": paths["random_draft"], "num_speculative_tokens": 4, "adaptive": False})
     mine = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=1234, ignore_eos=True)
     alone, _ = generate(config, [prompts[2]], mine)
     # Older requests are scheduled first: with a tight budget, the two ahead of this one (short
@@ -234,7 +234,7 @@ def test_draft_with_a_differently_padded_embedding_table(paths, prompts, plain_g
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{paths['target']}/{name}", padded / name)
     config = EngineConfig(model=paths["target"], dtype="float32",
-                          speculative={"method": "draft", "model": str(padded), "num_speculative_tokens": 3})
+                          speculative={"method": "draft", "model": str(padded), "num_speculative_tokens": 3, "adaptive": False})
     tokens, finals = generate(config, prompts, GREEDY)
     assert tokens == plain_greedy
     assert sum(f.spec.proposed for f in finals) > 0
@@ -359,7 +359,7 @@ def position_pvalues(counts: np.ndarray, probs: np.ndarray) -> dict[str, float]:
 
 
 def draft_spec(draft: str, **extra) -> dict:
-    return {"method": "draft", "model": draft, "num_speculative_tokens": 3, **extra}
+    return {"method": "draft", "model": draft, "num_speculative_tokens": 3, "adaptive": False, **extra}
 
 
 SAMPLING_CASES = {   # (sampling fields, draft config extras or None for n-gram, seeded)
@@ -377,7 +377,7 @@ def run_case(target: str, draft: str, case: str, num: int = SAMPLES) -> tuple[np
     fields, extra, seeded = SAMPLING_CASES[case]
     params = SamplingParams(max_tokens=5, ignore_eos=True, **fields)
     if extra is None:   # deterministic drafts (q one-hot) from the prompt
-        spec, prompt = {"method": "ngram", "num_speculative_tokens": 3, "ngram_max": 3}, ngram_prompt(target)
+        spec, prompt = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3}, ngram_prompt(target)
     else:
         spec, prompt = draft_spec(draft, **extra), PROMPT
     counts, acceptance = sample_sequences(target, spec, prompt, params, num, seeded)

@@ -1,4 +1,9 @@
-"""What every proposer hands the verifier."""
+"""What every proposer hands the verifier, the proposer lifecycle, and the router over several.
+
+A proposer drafts for the requests the controller assigned to it (ScheduledRequest.method) up to
+item.num_lookahead tokens each, and owns whatever state that takes (a draft model's cache cursors).
+The engine tells it what verification kept (on_verified) and when a request leaves (on_finish).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
 
 
@@ -13,7 +19,7 @@ from engine.scheduler import ScheduledRequest
 class Proposal:
     draft_token_ids: list[list[int]]   # per scheduled request, in order; empty when it drafts nothing
     draft_probs: torch.Tensor | None   # [num_scheduled, max_lookahead, vocab] distributions the drafts came from;
-                                       # None: every draft is a deterministic guess (q = one-hot)
+                                       # None, or an all-zero row: a deterministic guess (q = one-hot)
 
     @classmethod
     def empty(cls, num_scheduled: int) -> "Proposal":
@@ -23,8 +29,23 @@ class Proposal:
 class Proposer(Protocol):
     method: str
 
-    def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
-        """Up to item.num_lookahead draft tokens for each scheduled request."""
+    def max_drafts(self, request: Request, limit: int) -> int:
+        """How many drafts it could offer the request now, at most `limit` (n-gram: its match)."""
+        ...
+
+    def catch_up_tokens(self, request: Request) -> int:
+        """Tokens it must process before drafting for the request (a draft model's lag)."""
+        ...
+
+    def propose(self, items: list[ScheduledRequest]) -> Proposal:
+        """Up to item.num_lookahead draft tokens for each item (all assigned to this proposer)."""
+        ...
+
+    def on_verified(self, request: Request) -> None:
+        """Verification ran; request.num_computed_tokens is what its target cache holds now."""
+        ...
+
+    def on_finish(self, request_id: str) -> None:
         ...
 
 
@@ -32,5 +53,59 @@ class NoProposer:
     """Plain autoregressive decoding through the same verification path."""
     method = "none"
 
+    def max_drafts(self, request: Request, limit: int) -> int:
+        return 0
+
+    def catch_up_tokens(self, request: Request) -> int:
+        return 0
+
+    def propose(self, items: list[ScheduledRequest]) -> Proposal:
+        return Proposal.empty(len(items))
+
+    def on_verified(self, request: Request) -> None:
+        pass
+
+    def on_finish(self, request_id: str) -> None:
+        pass
+
+
+class Router:
+    """Several proposers in one step: each drafts for the requests assigned to it, and their drafts
+    verify together in one target pass (deterministic guesses as one-hot rows of q)."""
+
+    def __init__(self, proposers: dict[str, Proposer], vocab_size: int):
+        self.proposers = proposers
+        self.vocab_size = vocab_size
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.proposers)
+
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
-        return Proposal.empty(len(scheduled))
+        drafts: list[list[int]] = [[] for _ in scheduled]
+        model_probs: list[tuple[list[int], torch.Tensor]] = []
+        for method, proposer in self.proposers.items():
+            mine = [i for i, item in enumerate(scheduled) if item.method == method and item.num_lookahead > 0]
+            if not mine:
+                continue
+            proposal = proposer.propose([scheduled[i] for i in mine])
+            for i, tokens in zip(mine, proposal.draft_token_ids):
+                drafts[i] = tokens
+            if proposal.draft_probs is not None:
+                model_probs.append((mine, proposal.draft_probs))
+        if not model_probs:
+            return Proposal(drafts, None)
+        max_k = max(len(d) for d in drafts)
+        probs = model_probs[0][1].new_zeros(len(scheduled), max_k, self.vocab_size)
+        for rows, block in model_probs:
+            width = min(max_k, block.shape[1])
+            probs[torch.tensor(rows, device=probs.device), :width] = block[:, :width]
+        return Proposal(drafts, probs)
+
+    def on_verified(self, request: Request) -> None:
+        for proposer in self.proposers.values():
+            proposer.on_verified(request)
+
+    def on_finish(self, request_id: str) -> None:
+        for proposer in self.proposers.values():
+            proposer.on_finish(request_id)

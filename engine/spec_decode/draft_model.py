@@ -1,18 +1,22 @@
-"""A small causal LM that drafts gamma tokens per request, batched over the whole step.
+"""A small causal LM that drafts up to k tokens per request, batched over its requests.
 
-The draft shares the target's block tables (same block ids, its own KV
-buffers), so rollback, preemption and freeing are the target's bookkeeping.
-Its cache may lag the target's: each step first feeds it every token it has
-not seen (prompt chunks being prefilled, the recovered/bonus token of the last
-step), then drafts one token per sequential batched forward.
+The draft shares the target's block tables (same block ids, its own KV buffers), so rollback,
+preemption and freeing are the target's bookkeeping; the proposer keeps only how far its own cache
+is valid for each request (a cursor). It catches up lazily: a request it has not drafted for in a
+while (the controller chose n-gram or plain decoding) first gets every token it has not seen, in
+the same batched forward as the others' last token; then one token per sequential batched forward.
+A request stops drafting early when the draft is unsure: once the product of the draft's
+probabilities of its own tokens falls below the plan's p_min (the confidence stop).
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
 from engine.model_runner import ForwardItem, ModelRunner
+from engine.request import Request
 from engine.sampler import SamplingTensors, sample, warp_probs
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.base import Proposal
@@ -21,40 +25,76 @@ from engine.spec_decode.base import Proposal
 class DraftModelProposer:
     method = "draft"
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_temperature: float | None = None):
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_temperature: float | None = None,
+                 on_forward=None):
         self.runner = runner
         self.target_vocab_size = target_vocab_size
         self.draft_temperature = draft_temperature
+        self.on_forward = on_forward   # (rows, seconds) of every draft step, for the cost model
+        self._cursors: dict[str, tuple[int, int]] = {}   # request id -> (its preemption count, valid tokens)
 
-    def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
-        drafts: list[list[int]] = [[] for _ in scheduled]
-        max_k = max(item.num_lookahead for item in scheduled)
-        drafting = [i for i, item in enumerate(scheduled) if item.num_lookahead > 0]
-        logits = self._fit_vocab(self._catch_up(scheduled))   # one row per drafting request
-        if not drafting:
-            return Proposal(drafts, None)
+    # ---- the lifecycle ------------------------------------------------------------
+    def cursor(self, request: Request) -> int:
+        """Tokens of the request whose KV is valid in the draft's cache: none after a preemption
+        (the blocks were freed), never more than the target's (rollback)."""
+        preemptions, valid = self._cursors.get(request.request_id, (request.num_preemptions, 0))
+        if preemptions != request.num_preemptions:
+            return 0
+        return min(valid, request.num_computed_tokens)
 
-        requests = [scheduled[i].request for i in drafting]
+    def _set_cursor(self, request: Request, valid: int) -> None:
+        self._cursors[request.request_id] = (request.num_preemptions, valid)
+
+    def max_drafts(self, request: Request, limit: int) -> int:
+        return limit
+
+    def catch_up_tokens(self, request: Request) -> int:
+        return max(0, request.num_computed_tokens - self.cursor(request))
+
+    def on_verified(self, request: Request) -> None:
+        if request.request_id in self._cursors:
+            self._set_cursor(request, self.cursor(request))
+
+    def on_finish(self, request_id: str) -> None:
+        self._cursors.pop(request_id, None)
+
+    # ---- drafting ----------------------------------------------------------------
+    def propose(self, items: list[ScheduledRequest]) -> Proposal:
+        drafts: list[list[int]] = [[] for _ in items]
+        max_k = max(item.num_lookahead for item in items)
+        requests = [item.request for item in items]
         params = [self._draft_params(r.params) for r in requests]
-        generators = [r.generator for r in requests]
-        draft_probs = logits.new_zeros(len(scheduled), max_k, logits.shape[-1])
-        active = list(range(len(drafting)))   # positions in `drafting` still drafting
+        rows = sum(self.catch_up_tokens(item.request) for item in items) + len(items)   # tokens this forward feeds
+        logits = self._timed(rows, lambda: self._fit_vocab(self._catch_up(items)))
+        draft_probs = logits.new_zeros(len(items), max_k, logits.shape[-1])
+        confidence = [1.0] * len(items)
+        active = list(range(len(items)))
         for step in range(max_k):
             tensors = SamplingTensors.from_params([params[a] for a in active], logits.device)
             probs = warp_probs(logits, tensors)
             noise = [None if requests[a].noise is None else requests[a].noise.at(requests[a].num_output_tokens + step)
                      for a in active]   # seeded requests draft with the noise the target will draw with
-            tokens = sample(probs, tensors.is_greedy, [generators[a] for a in active], noise).tolist()
+            tokens = sample(probs, tensors.is_greedy, [requests[a].generator for a in active], noise)
+            own = probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
             for row, a in enumerate(active):
-                i = drafting[a]
-                drafts[i].append(tokens[row])
-                draft_probs[i, step] = probs[row]
-            active = [a for a in active if scheduled[drafting[a]].num_lookahead > step + 1]
+                drafts[a].append(int(tokens[row]))
+                draft_probs[a, step] = probs[row]
+                confidence[a] *= own[row]
+            active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min]
             if not active:
                 break
-            logits = self._fit_vocab(self._feed_drafts([scheduled[drafting[a]] for a in active],
-                                                       [drafts[drafting[a]] for a in active]))
+            logits = self._timed(len(active), lambda: self._fit_vocab(
+                self._feed_drafts([items[a] for a in active], [drafts[a] for a in active])))
         return Proposal(drafts, draft_probs)
+
+    def _timed(self, rows: int, forward):
+        start = time.perf_counter()
+        logits = forward()
+        if self.on_forward is not None:
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)
+            self.on_forward(rows, time.perf_counter() - start)
+        return logits
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, draft_vocab] -> [n, target_vocab]: embedding tables padded to different sizes
@@ -71,17 +111,16 @@ class DraftModelProposer:
             return params
         return dataclasses.replace(params, temperature=self.draft_temperature)
 
-    def _catch_up(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Feed the draft every token the target will have after this step; logits for drafters."""
-        items = []
-        for item in scheduled:
+    def _catch_up(self, items: list[ScheduledRequest]) -> torch.Tensor:
+        """Feed the draft every token of each request up to its last one; logits for the first draft."""
+        forward = []
+        for item in items:
             request = item.request
-            end = request.num_computed_tokens + item.num_new_tokens
-            start = min(request.num_draft_computed_tokens, end - 1)   # always feed >= 1 token
-            items.append(ForwardItem(request.token_ids[start:end], start, request.block_table,
-                                     1 if item.num_lookahead > 0 else 0))
-            request.num_draft_computed_tokens = end
-        return self.runner.forward(items)
+            end = request.num_tokens
+            start = min(self.cursor(request), end - 1)   # always feed >= 1 token
+            forward.append(ForwardItem(request.token_ids[start:end], start, request.block_table, 1))
+            self._set_cursor(request, end)
+        return self.runner.forward(forward)
 
     def _feed_drafts(self, items: list[ScheduledRequest], drafts: list[list[int]]) -> torch.Tensor:
         """Feed each request its newest draft token; logits for the next one."""
@@ -90,6 +129,5 @@ class DraftModelProposer:
             request = item.request
             position = request.num_tokens + len(tokens) - 1
             forward.append(ForwardItem([tokens[-1]], position, request.block_table, 1))
-            request.num_draft_computed_tokens = position + 1
+            self._set_cursor(request, position + 1)
         return self.runner.forward(forward)
-

@@ -1,0 +1,196 @@
+"""The adaptive speculation controller (engine/spec_decode/controller.py) on synthetic costs and
+acceptance, and the engine with it: draft length per request and step, the router's choice of
+proposer, probing after a workload shift, the confidence stop, and losslessness with mixed proposers."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import SamplingParams
+from engine.spec_decode.controller import GLOBAL_DECAY, DecayedCounts, SpecController
+from engine.step_timer import StepCostModel
+
+MAX_K = 8
+
+
+def costs(verify_slope: float, draft_forward: float = 0.004) -> StepCostModel:
+    """A target pass of 30 ms plus verify_slope per extra token; draft forwards of draft_forward."""
+    model = StepCostModel()
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        model.target.observe(tokens, 0.030 + verify_slope * (tokens - 1))
+    for rows in (1, 4, 16, 64, 256):
+        model.draft.observe(rows, draft_forward * (1 + rows / 64))
+    return model
+
+
+def with_history(controller: SpecController, alphas: dict[str, float], steps: int = 200, seed: int = 0,
+                 decay: float = 1.0):
+    """Engine-wide history: i.i.d. acceptance alpha per draft position, per method."""
+    rng = random.Random(seed)
+    controller.global_counts = {m: DecayedCounts(decay) for m in controller.methods}
+    for _ in range(steps):
+        for method, alpha in alphas.items():
+            accepted = 0
+            while accepted < MAX_K and rng.random() < alpha:
+                accepted += 1
+            controller.global_counts[method].observe(MAX_K, accepted)
+    return controller
+
+
+def plan_k(controller: SpecController, batch: int, methods=("draft",)) -> list[tuple[str, int]]:
+    candidates = [(f"r{i}", {m: MAX_K for m in methods}, {m: 0 for m in methods}) for i in range(batch)]
+    return [(p.method, p.k) for p in controller.plan(candidates).values()]
+
+
+def test_low_acceptance_plans_no_drafts():
+    controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005)), {"draft": 0.05})
+    for batch in (1, 4, 16):
+        assert set(plan_k(controller, batch)) == {("none", 0)}
+
+
+def test_high_acceptance_and_cheap_verification_plan_the_maximum():
+    controller = with_history(SpecController(["draft"], MAX_K, costs(0.00005, draft_forward=0.0005)), {"draft": 0.97})
+    assert set(plan_k(controller, 1)) == {("draft", MAX_K)}
+
+
+def test_draft_length_shrinks_smoothly_as_the_batch_grows():
+    """A CPU-like cost: each verified token costs 0.5 ms more. k falls with the batch one step at a
+    time, never from the maximum to nothing at a threshold."""
+    controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005)), {"draft": 0.8})
+    ks = []
+    for batch in range(1, 65):
+        plan = set(plan_k(controller, batch))
+        assert len(plan) <= 2, plan   # the same estimates give (nearly) the same k to everyone
+        ks.append(max(k for _, k in plan))
+    assert ks[0] >= 4 and ks[-1] < ks[0]
+    assert all(later <= earlier for earlier, later in zip(ks, ks[1:])), ks
+    assert all(earlier - later <= 1 for earlier, later in zip(ks, ks[1:])), ks
+
+
+def test_router_prefers_the_proposer_with_better_goodput():
+    # n-gram is free; with equal acceptance it wins, with much lower acceptance the draft model does
+    even = with_history(SpecController(["draft", "ngram"], MAX_K, costs(0.0002, 0.006)), {"draft": 0.7, "ngram": 0.7})
+    assert {m for m, _ in plan_k(even, 2, ("draft", "ngram"))} == {"ngram"}
+    skewed = with_history(SpecController(["draft", "ngram"], MAX_K, costs(0.0002, 0.002)),
+                          {"draft": 0.9, "ngram": 0.1})
+    assert {m for m, _ in plan_k(skewed, 2, ("draft", "ngram"))} == {"draft"}
+    # a request whose n-gram lookup finds nothing (cap 0) can only use the draft model
+    plans = skewed.plan([("a", {"draft": MAX_K, "ngram": 0}, {"draft": 0})])
+    assert plans["a"].method == "draft"
+
+
+def test_workload_shift_turns_drafting_down_and_back_up():
+    """One stream: acceptance 0.9, then 0.1 from step 100, then 0.9 again from step 200."""
+    controller = with_history(SpecController(["draft"], MAX_K, costs(0.0003)), {"draft": 0.9}, decay=GLOBAL_DECAY)
+    rng = random.Random(1)
+    ks = []
+    for step in range(300):
+        alpha = 0.1 if 100 <= step < 200 else 0.9
+        plan = controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"]
+        ks.append(plan.k)
+        if plan.k:
+            accepted = 0
+            while accepted < plan.k and rng.random() < alpha:
+                accepted += 1
+            controller.observe("r", "draft", plan.k, accepted)
+    assert min(ks[50:100]) >= 3                              # high acceptance: drafting
+    down = next(i for i in range(100, 200) if all(k <= 1 for k in ks[i:i + 10]))
+    assert down - 100 <= 20, ks[100:130]                     # turned down (to probes only) within 20 steps
+    assert sum(ks[130:200]) <= 0.25 * sum(ks[50:100])        # and stays down
+    up = next(i for i in range(200, 300) if ks[i] >= 3)
+    assert up - 200 <= 40, ks[200:260]                       # back up once a probe succeeds
+
+
+def test_static_mode_always_drafts_the_maximum():
+    controller = SpecController(["ngram"], MAX_K, costs(0.001), adaptive=False)
+    plans = controller.plan([("a", {"ngram": 5}, {}), ("b", {"ngram": 0}, {})])
+    assert (plans["a"].method, plans["a"].k) == ("ngram", 5) and plans["b"].k == 0
+
+
+# ---- the engine with the controller ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from helpers import make_noisy_copy, make_tiny_checkpoint
+    root = tmp_path_factory.mktemp("controller")
+    target = make_tiny_checkpoint(root / "target", arch="llama", seed=0)
+    return str(target), str(make_noisy_copy(target, root / "draft", noise=0.05))
+
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], list(range(40, 70)), [9] * 12]
+
+
+def run(config_kwargs: dict, params) -> tuple[list[list[int]], list]:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    engine = Engine(EngineConfig(dtype="float32", **config_kwargs))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params[i] if isinstance(params, list) else params)
+    tokens, finals, stats = {str(i): [] for i in range(len(PROMPTS))}, {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        stats.append(engine.last_stats)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    draft = engine.proposer.proposers.get("draft")   # every request's state was dropped at its end
+    assert not engine.controller.states and (draft is None or not draft._cursors)
+    run.stats = stats
+    return [tokens[str(i)] for i in range(len(PROMPTS))], [finals[str(i)] for i in range(len(PROMPTS))]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "auto", "num_speculative_tokens": 4},
+    {"method": "auto", "num_speculative_tokens": 4, "draft_p_min": 0.6},
+    {"method": "auto", "num_speculative_tokens": 4, "adaptive": False},
+])
+def test_auto_is_lossless_and_mixes_proposers(pair, speculative):
+    target, draft = pair
+    plain, _ = run({"model": target}, GREEDY)
+    # Alternate requests restricted to one proposer each, so both verify in the same passes.
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             speculative_method=("ngram", "draft", "auto", None)[i]) for i in range(len(PROMPTS))]
+    tokens, finals = run({"model": target, "speculative": {**speculative, "model": draft}}, params)
+    assert tokens == plain
+    for t, f in zip(tokens, finals):
+        assert len(t) == 1 + f.spec.accepted + f.spec.target_forwards
+        assert sum(f.spec.passes_by_method.values()) == sum(f.spec.passes_by_k.values()) == f.spec.target_forwards
+    assert set(finals[0].spec.passes_by_method) <= {"ngram", "none"}
+    assert set(finals[1].spec.passes_by_method) <= {"draft", "none"}
+    if not speculative.get("adaptive", True):   # static: every pass drafts, and both kinds share passes
+        assert any({"ngram", "draft"} <= {m for m, _, _ in s.drafts_by_method} for s in run.stats)
+
+
+def test_confidence_stop_cuts_drafting(pair):
+    target, draft = pair
+    spec = {"method": "draft", "model": draft, "num_speculative_tokens": 4, "adaptive": False}
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    _, free = run({"model": target, "speculative": spec}, sampled)
+    _, stopped = run({"model": target, "speculative": {**spec, "draft_p_min": 0.9}}, sampled)
+    free_k = sum(k * n for f in free for k, n in f.spec.passes_by_k.items()) / sum(f.spec.target_forwards for f in free)
+    stop_k = sum(k * n for f in stopped for k, n in f.spec.passes_by_k.items()) / \
+        sum(f.spec.target_forwards for f in stopped)
+    assert free_k > 3 and stop_k < free_k - 1, (free_k, stop_k)
+
+
+def test_per_request_control(pair):
+    target, draft = pair
+    spec = {"method": "auto", "model": draft, "num_speculative_tokens": 4, "adaptive": False}
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, speculative_method="none"),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, num_speculative_tokens=2),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, speculative_method="draft"),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, num_speculative_tokens=0)]
+    _, finals = run({"model": target, "speculative": spec}, params)
+    assert finals[0].spec.proposed == 0 and set(finals[0].spec.passes_by_method) == {"none"}
+    assert max(finals[1].spec.passes_by_k) <= 2
+    assert set(finals[2].spec.passes_by_method) <= {"draft"} and finals[2].spec.proposed > 0
+    assert finals[3].spec.proposed == 0
+    with pytest.raises(ValueError, match="speculative.method"):
+        SamplingParams(speculative_method="medusa")
+    with pytest.raises(ValueError, match="speculative.num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=True)
