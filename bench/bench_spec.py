@@ -1,21 +1,25 @@
-"""Speculative decoding benchmark: measured speedup against the theory, at controlled acceptance.
+"""Speculative decoding at controlled acceptance: static gamma against the adaptive controller.
 
-For the random ~270M target, an "oracle" proposer replays the target's own greedy
-continuation, each token corrupted with probability 1 - alpha, so the acceptance rate is
-alpha by construction; a small random draft model runs alongside it so drafting costs
-what a real draft costs. For alpha in {0.5, 0.7, 0.9} it prints, side by side in one run:
-measured speedup over our own autoregressive decoding, tokens per target forward, the
-theoretical speedup S = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma*c + 1)) with c the
-measured draft/target step cost ratio, and measured / theoretical; also theory_v, the same
-formula with the measured cost v of a verification pass in place of 1 (on CPUs whose small-batch
-matmuls are compute-bound, verifying gamma + 1 tokens costs several decode steps). Then the same for
-transformers' assisted generation (assistant_model= and prompt_lookup_num_tokens=).
+For a random ~270M target, an "oracle" proposer replays the target's own greedy continuation,
+each token corrupted with probability 1 - alpha, so acceptance is alpha by construction; a small
+random draft model runs underneath so drafting costs what a real draft costs. Printed side by side
+from one run:
 
-    python bench/bench_spec.py [--gamma 4] [--new-tokens 64] [--dtype auto]
+1. theory (batch 1): measured speedup of static gamma against S = (1 - alpha^(gamma+1)) /
+   ((1 - alpha)(gamma c + v)), with c the draft/target step cost and v the cost of a verification
+   pass (measured);
+2. the oracle sweep: alpha in {0, 0.3, 0.5, 0.7, 0.9} x batch in {1, 4, 16}: throughput of plain
+   decoding, static gamma in {1, 2, 4, 8} and the adaptive controller, each as a ratio to plain, and
+   adaptive / best static;
+3. the workload shift: one stream whose acceptance drops from 0.9 to 0.1 halfway and comes back:
+   the controller's draft length step by step, and how many steps it took to turn down and back up.
+
+    python bench/bench_spec.py [--dtype auto] [--new-tokens 64] [--alphas 0,0.3,0.5,0.7,0.9] [--batches 1,4,16]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -31,117 +35,190 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
 from engine.spec_decode.base import Proposal  # noqa: E402
 
+STATIC_GAMMAS = (1, 2, 4, 8)
+
 
 class OracleProposer:
-    """Runs the real draft model (for its cost), then swaps in the target's own continuation,
-    each token corrupted with probability 1 - alpha."""
+    """The real draft model runs (for its cost); its tokens are swapped for the target's own
+    continuation, each corrupted with probability 1 - alpha (alpha may change between steps)."""
     method = "draft"
 
-    def __init__(self, draft, continuation: list[int], prompt_len: int, alpha: float, vocab: int, seed: int = 0):
-        self.draft, self.continuation, self.prompt_len, self.vocab = draft, continuation, prompt_len, vocab
+    def __init__(self, draft, continuations: dict[tuple, list[int]], vocab: int, alpha: float, seed: int = 0):
+        self.draft, self.continuations, self.vocab = draft, continuations, vocab
         self.alpha, self.rng = alpha, random.Random(seed)
 
-    def propose(self, scheduled) -> Proposal:
-        real = self.draft.propose(scheduled)
+    def max_drafts(self, request, limit: int) -> int:
+        return limit
+
+    def catch_up_tokens(self, request) -> int:
+        return self.draft.catch_up_tokens(request)
+
+    def propose(self, items) -> Proposal:
+        # The draft's confidence says nothing about the oracle's tokens: no confidence stop.
+        real = self.draft.propose([dataclasses.replace(item, p_min=0.0) for item in items])
         drafts = []
-        for item, tokens in zip(scheduled, real.draft_token_ids):
-            start = item.request.num_tokens - self.prompt_len
-            truth = self.continuation[start:start + len(tokens)]
-            drafts.append([t if self.rng.random() < self.alpha else (t + 1) % self.vocab for t in truth])
+        for item, tokens in zip(items, real.draft_token_ids):
+            request = item.request
+            truth = self.continuations[tuple(request.token_ids[:request.num_prompt_tokens])]
+            start = request.num_output_tokens
+            drafts.append([t if self.rng.random() < self.alpha else (t + 1) % self.vocab
+                           for t in truth[start:start + len(tokens)]])
         return Proposal(drafts, None)
+
+    def on_verified(self, request) -> None:
+        self.draft.on_verified(request)
+
+    def on_finish(self, request_id: str) -> None:
+        self.draft.on_finish(request_id)
+
+
+def speculative_llm(target: str, draft: str, dtype: str, gamma: int, adaptive: bool, batch: int) -> LLM:
+    return LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16),
+               speculative={"method": "draft", "model": draft, "num_speculative_tokens": gamma, "adaptive": adaptive})
+
+
+def with_oracle(llm: LLM, continuations, alpha: float) -> OracleProposer:
+    router = llm.engine.proposer
+    real = router.proposers["draft"]
+    real = getattr(real, "draft", real)
+    router.proposers["draft"] = OracleProposer(real, continuations, llm.engine.vocab_size, alpha)
+    return router.proposers["draft"]
+
+
+def throughput(llm: LLM, prompts: list[list[int]], new_tokens: int, expected=None) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))   # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    if expected is not None:
+        assert [o.token_ids for o in outputs] == expected, "speculative output must equal plain greedy output"
+    return len(prompts) * new_tokens / seconds
 
 
 def step_costs(llm: LLM, gamma: int, repeats: int = 20) -> tuple[float, float]:
-    """Batch 1, short context, relative to one target decode forward:
-    c = one draft decode forward; v = one target forward verifying gamma drafts (gamma + 1 tokens)."""
+    """Batch 1, short context, relative to one target decode forward: c = one draft decode forward;
+    v = one target forward verifying gamma drafts (gamma + 1 tokens)."""
     engine = llm.engine
     table = []
     engine.pool.allocate(table, 64)
+    draft_runner = engine.proposer.proposers["draft"]
+    draft_runner = getattr(draft_runner, "draft", draft_runner).runner
 
     def run(runner, num_tokens: int):
         item = ForwardItem([5] * num_tokens, 40, table, num_tokens)
         return timed(lambda: [runner.forward([item]) for _ in range(repeats)])
     target = run(engine.target, 1)
-    draft = run(engine.proposer.runner, 1)
+    draft = run(draft_runner, 1)
     verify = run(engine.target, gamma + 1)
     engine.pool.free(table)
     return draft / target, verify / target
 
 
-def run_ours(llm: LLM, prompt: list[int], new_tokens: int):
-    """Seconds, tokens, and speculation stats of one greedy request."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    out = llm.generate([prompt], params)[0]
-    return time.perf_counter() - start, out.token_ids, out.spec
+def theory_table(target, draft, dtype, prompts, continuations, plain_tps, new_tokens, gamma, alphas) -> None:
+    llm = speculative_llm(target, draft, dtype, gamma, adaptive=False, batch=1)
+    c, v = step_costs(llm, gamma)
+    print(f"\n1. theory, batch 1, static gamma {gamma}: draft/target step cost c = {c:.3f}; verifying "
+          f"{gamma + 1} tokens costs v = {v:.2f} decode steps")
+    print(f"{'alpha':>5} {'measured':>9} {'theory_v':>9} {'ratio':>6}")
+    for alpha in alphas:
+        with_oracle(llm, continuations, alpha)
+        measured = throughput(llm, prompts[:1], new_tokens, [continuations[tuple(prompts[0])]]) / plain_tps
+        expected_tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1
+        theory_v = expected_tokens / (gamma * c + v)
+        print(f"{alpha:5.2f} {measured:8.2f}x {theory_v:8.2f}x {measured / theory_v:6.2f}")
 
 
-def hf_assisted(target_path: str, draft_path: str, dtype, prompt: list[int], new_tokens: int) -> None:
-    from transformers import AutoModelForCausalLM
+def sweep(target, draft, dtype, prompts, continuations, plain, new_tokens, alphas, batches) -> list[dict]:
+    print("\n2. oracle sweep: throughput as a ratio to plain decoding at the same batch, plain measured "
+          "again beside each row (adaptive / best static in the last column)")
+    head = "".join(f"{'g=' + str(g):>7}" for g in STATIC_GAMMAS)
+    print(f"{'alpha':>5} {'batch':>5} {'plain tok/s':>11}{head} {'adaptive':>8} {'ad/best':>8}")
+    rows = []
+    for batch in batches:
+        plain_llm = LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16))
+        llms = {g: speculative_llm(target, draft, dtype, g, False, batch) for g in STATIC_GAMMAS}
+        llms["adaptive"] = speculative_llm(target, draft, dtype, max(STATIC_GAMMAS), True, batch)
+        for alpha in alphas:
+            expected = [continuations[tuple(p)] for p in prompts[:batch]]
+            plain_tps = (throughput(plain_llm, prompts[:batch], new_tokens) + plain[batch]) / 2
+            ratios = {}
+            for name, llm in llms.items():
+                with_oracle(llm, continuations, alpha)
+                ratios[name] = throughput(llm, prompts[:batch], new_tokens, expected) / plain_tps
+            best = max(ratios[g] for g in STATIC_GAMMAS)
+            cells = "".join(f"{ratios[g]:6.2f}x" for g in STATIC_GAMMAS)
+            print(f"{alpha:5.2f} {batch:5d} {plain_tps:11.1f}{cells} {ratios['adaptive']:7.2f}x "
+                  f"{ratios['adaptive'] / best:8.2f}", flush=True)
+            rows.append({"alpha": alpha, "batch": batch, **{str(k): v for k, v in ratios.items()}})
+        del llms, plain_llm
+    worst_plain = min(r["adaptive"] for r in rows)
+    worst_best = min(r["adaptive"] / max(r[str(g)] for g in STATIC_GAMMAS) for r in rows)
+    wins = sum(r["adaptive"] > max(r[str(g)] for g in STATIC_GAMMAS) for r in rows)
+    print(f"adaptive: worst cell {worst_plain:.2f}x plain, worst {worst_best:.2f}x the best static gamma, "
+          f"faster than every static gamma in {wins} of {len(rows)} cells")
+    return rows
 
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
-    ids = torch.tensor([prompt])
 
-    def gen(**kw):
-        with torch.inference_mode():
-            return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **kw)
-    plain = timed(gen)
-    assisted = timed(lambda: gen(assistant_model=draft))
-    lookup = timed(lambda: gen(prompt_lookup_num_tokens=4))
-    print(f"transformers: plain {new_tokens / plain:.2f} tok/s; assistant_model (random draft, acceptance ~0) "
-          f"{plain / assisted:.2f}x; prompt_lookup_num_tokens=4 {plain / lookup:.2f}x "
-          f"(no oracle hook there: these show its overhead at near-zero acceptance)")
+def workload_shift(target, draft, dtype, prompt, continuation, new_tokens: int) -> None:
+    """Acceptance 0.9, then 0.1 from the middle third, then 0.9 again: the draft length per step."""
+    llm = speculative_llm(target, draft, dtype, max(STATIC_GAMMAS), True, 1)
+    oracle = with_oracle(llm, {tuple(prompt): continuation}, 0.9)
+    engine = llm.engine
+    engine.add_request("shift", prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    ks, phases = [], []
+    while engine.has_unfinished_requests():
+        produced = engine.requests["shift"].num_output_tokens if "shift" in engine.requests else new_tokens
+        oracle.alpha = 0.1 if new_tokens // 3 <= produced < 2 * new_tokens // 3 else 0.9
+        engine.step()
+        if engine.last_stats and engine.last_stats.chosen_k:
+            ks.append(engine.last_stats.chosen_k[0])
+            phases.append(oracle.alpha)
+    low_start = phases.index(0.1)
+    high_again = next(i for i in range(low_start, len(phases)) if phases[i] == 0.9)
+    down = next((i - low_start for i in range(low_start, high_again) if all(k <= 1 for k in ks[i:i + 5])), None)
+    up = next((i - high_again for i in range(high_again, len(ks)) if ks[i] >= 3), None)
+    print(f"\n3. workload shift (one stream, acceptance 0.9 -> 0.1 -> 0.9): draft length per step\n   "
+          + " ".join(str(k) for k in ks))
+    print(f"   turned down (k <= 1) {down} steps after acceptance fell; back to k >= 3 {up} steps after it returned")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--alphas", default="0.5,0.7,0.9")
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--alphas", default="0,0.3,0.5,0.7,0.9")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: theory,sweep,shift")
     root = os.path.join(tempfile.gettempdir(), "specserve-bench")
     parser.add_argument("--model-dir", default=os.path.join(root, "target"))
     parser.add_argument("--draft-dir", default=os.path.join(root, "draft"))
     args = parser.parse_args(argv)
+    alphas = [float(a) for a in args.alphas.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    skip = set(args.skip.split(","))
 
-    target_path = random_llama(args.model_dir)
-    draft_path = random_llama(args.draft_dir, seed=1, **{k: v for k, v in SMALL_DRAFT.items()})
-    plain = LLM(target_path, dtype=args.dtype, skip_tokenizer_init=True)
-    vocab = plain.engine.vocab_size
-    prompt = torch.randint(3, vocab, (32,), generator=torch.Generator().manual_seed(0)).tolist()
-    run_ours(plain, prompt, args.new_tokens)   # warm-up
-    plain_s, continuation, _ = run_ours(plain, prompt, args.new_tokens)
-    print(f"plain decoding (ours): {args.new_tokens / plain_s:.2f} tok/s, "
-          f"dtype {str(plain.engine.dtype).replace('torch.', '')}")
-    del plain
-
-    spec = LLM(target_path, dtype=args.dtype, skip_tokenizer_init=True,
-               speculative={"method": "draft", "model": draft_path, "num_speculative_tokens": args.gamma})
-    real_draft = spec.engine.proposer
-    g = args.gamma
-    c, v = step_costs(spec, g)
-    print(f"gamma = {g}; draft/target step cost c = {c:.3f}; verifying {g + 1} tokens costs v = {v:.2f} "
-          f"plain decode steps (the theory assumes 1)")
-    print("alpha: the oracle's per-token accuracy = the i.i.d. acceptance the theory assumes; "
-          "tok/fwd: measured (expected 1 + alpha + ... + alpha^gamma)")
-    print(f"{'alpha':>5} {'tok/fwd':>14} {'measured':>9} {'theory':>7} {'ratio':>6} {'theory_v':>9} {'ratio_v':>8}")
-    for alpha in (float(a) for a in args.alphas.split(",")):
-        spec.engine.proposer = OracleProposer(real_draft, continuation, len(prompt), alpha, vocab)
-        run_ours(spec, prompt, args.new_tokens)   # warm-up
-        seconds, tokens, stats = run_ours(spec, prompt, args.new_tokens)
-        assert tokens == continuation, "speculative output must equal plain greedy output"
-        measured = plain_s / seconds
-        expected_tokens = (1 - alpha ** (g + 1)) / (1 - alpha)
-        theory = expected_tokens / (g * c + 1)
-        theory_v = expected_tokens / (g * c + v)   # with the measured cost of a verification pass
-        tokens_per_forward = (len(tokens) - 1) / stats.target_forwards
-        print(f"{alpha:5.2f} {tokens_per_forward:5.2f} ({expected_tokens:4.2f}) {measured:8.2f}x "
-              f"{theory:6.2f}x {measured / theory:6.2f} {theory_v:8.2f}x {measured / theory_v:8.2f}")
-    if not args.skip_hf:
-        hf_assisted(target_path, draft_path, spec.engine.dtype, prompt, args.new_tokens)
+    target = random_llama(args.model_dir)
+    draft = random_llama(args.draft_dir, seed=1, **{k: v for k, v in SMALL_DRAFT.items()})
+    plain_llm = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(batches + [16]))
+    vocab = plain_llm.engine.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (32,), generator=generator).tolist() for _ in range(max(batches))]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    continuations = {tuple(p): o.token_ids for p, o in zip(prompts, plain_llm.generate(prompts, params))}
+    shift_tokens = 3 * args.new_tokens
+    shift_continuation = plain_llm.generate(prompts[:1], SamplingParams(
+        max_tokens=shift_tokens, temperature=0.0, ignore_eos=True))[0].token_ids
+    plain = {b: throughput(plain_llm, prompts[:b], args.new_tokens) for b in batches}
+    print(f"plain decoding (ours), dtype {str(plain_llm.engine.dtype).replace('torch.', '')}: "
+          + ", ".join(f"batch {b} {tps:.1f} tok/s" for b, tps in plain.items()))
+    del plain_llm
+    if "theory" not in skip:
+        theory_table(target, draft, args.dtype, prompts, continuations, plain[batches[0]], args.new_tokens, 4, alphas)
+    if "sweep" not in skip:
+        sweep(target, draft, args.dtype, prompts, continuations, plain, args.new_tokens, alphas, batches)
+    if "shift" not in skip:
+        workload_shift(target, draft, args.dtype, prompts[0], shift_continuation, shift_tokens)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Spec-Bench on the default target: draft-model vs n-gram vs no speculation, side by side in one run,
-with transformers' assisted generation and prompt lookup as the peers.
+"""Spec-Bench on the default target: the draft model and n-gram (each at a static gamma), auto (the
+adaptive controller routing between both) and no speculation, side by side in one run, with
+transformers' assisted generation and prompt lookup as the peers.
 
     python bench/spec_bench.py [--config configs/smollm2-draft.yaml] [--per-category 3] [--max-tokens 128]
-                               [--concurrency 1 8] [--no-peers] [--json results.json]
+                               [--concurrency 1 4 16] [--no-peers] [--json results.json]
 
 Questions: ../shared/data/spec_bench/question_dev.jsonl (the development half; the first
 --per-category of each category, by question id). Multi-turn questions run turn by turn, the
@@ -155,14 +156,15 @@ def ratio(numerator: float, denominator: float) -> float:
 
 
 def report(runs: dict[str, Run], concurrency: int, categories: list[str]) -> list[str]:
+    speculative = [m for m in runs if m != "none"]
     lines = [f"\n## concurrency {concurrency}\n",
-             "| category | draft accept | draft tok/fwd | draft speedup | ngram accept | ngram tok/fwd | ngram speedup |",
-             "|---|---|---|---|---|---|---|"]
+             "| category | " + " | ".join(f"{m} accept | {m} tok/fwd | {m} speedup" for m in speculative) + " |",
+             "|---|" + "---|---|---|" * len(speculative)]
     plain = runs["none"]
     rows = categories + ["pooled"] if concurrency == 1 else ["pooled"]
     for category in rows:
         cells = [category]
-        for method in ("draft", "ngram"):
+        for method in speculative:
             run = runs[method]
             if category == "pooled":
                 accept = ratio(run.pooled("accepted"), run.pooled("proposed"))
@@ -176,10 +178,13 @@ def report(runs: dict[str, Run], concurrency: int, categories: list[str]) -> lis
         lines.append("| " + " | ".join(cells) + " |")
     tokens_per_s = {m: run.pooled("tokens") / run.wall for m, run in runs.items()}
     lines.append("\nthroughput (tokens/s): " + ", ".join(f"{m} {v:.1f}" for m, v in tokens_per_s.items()))
-    same = sum(runs["draft"].answers[k] == plain.answers[k] for k in plain.answers)
-    lines.append(f"greedy answers identical to plain decoding: draft {same}/{len(plain.answers)}, ngram "
-                 f"{sum(runs['ngram'].answers[k] == plain.answers[k] for k in plain.answers)}/{len(plain.answers)} "
-                 "(bf16 results depend on the batch shape, so a few may diverge)")
+    best = max(("none", *speculative[:-1]), key=lambda m: tokens_per_s[m]) if "auto" in runs else None
+    if best is not None:
+        lines.append(f"auto / best single method ({best}): {tokens_per_s['auto'] / tokens_per_s[best]:.3f}")
+    same = {m: sum(runs[m].answers[k] == plain.answers[k] for k in plain.answers) for m in speculative}
+    lines.append("greedy answers identical to plain decoding: "
+                 + ", ".join(f"{m} {n}/{len(plain.answers)}" for m, n in same.items())
+                 + " (bf16 results depend on the batch shape, so a few may diverge)")
     return lines
 
 
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", default=str(QUESTIONS))
     p.add_argument("--per-category", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--peer-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--no-peers", dest="peers", action="store_false")
     p.add_argument("--json", default=None, help="also write the figures here")
@@ -199,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     spec = config.speculative
     questions = load_questions(Path(args.questions), args.per_category)
     categories = sorted({q["category"] for q in questions})
-    methods = {"none": None, "ngram": {"method": "ngram", "num_speculative_tokens": spec.gamma},
-               "draft": {"method": "draft", "model": spec.model, "num_speculative_tokens": spec.gamma}}
+    # the single methods at a static gamma (what they were before the controller), and auto: the
+    # adaptive controller routing each request and step between both
+    methods = {"none": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": spec.gamma, "adaptive": False},
+               "draft": {"method": "draft", "model": spec.model, "num_speculative_tokens": spec.gamma, "adaptive": False},
+               "auto": {"method": "auto", "model": spec.model, "num_speculative_tokens": spec.gamma}}
     lines = [f"# Spec-Bench dev: {len(questions)} questions ({args.per_category} per category), greedy, "
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}

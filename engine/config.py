@@ -47,9 +47,7 @@ class SpeculativeConfig:
             if unknown or not self.proposers:
                 raise ValueError(f"speculative.proposers must be a non-empty list of {list(PROPOSERS)}, "
                                  f"got {list(self.proposers)}")
-        elif self.proposers is not None:
-            raise ValueError("speculative.proposers is for method 'auto' only")
-        else:
+        else:   # a single method: `proposers` (say, merged in from a config file) does not apply
             object.__setattr__(self, "proposers", (self.method,))
         if "draft" in self.proposers:
             if not self.model:

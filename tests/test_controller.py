@@ -166,10 +166,12 @@ def test_auto_is_lossless_and_mixes_proposers(pair, speculative):
         assert any({"ngram", "draft"} <= {m for m, _, _ in s.drafts_by_method} for s in run.stats)
 
 
-def test_confidence_stop_cuts_drafting(pair):
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_confidence_stop_cuts_drafting(pair, temperature):
+    """Sampled rows judge by q; greedy rows (q one-hot) by the draft's own softmax."""
     target, draft = pair
     spec = {"method": "draft", "model": draft, "num_speculative_tokens": 4, "adaptive": False}
-    sampled = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=temperature, ignore_eos=True)
     _, free = run({"model": target, "speculative": spec}, sampled)
     _, stopped = run({"model": target, "speculative": {**spec, "draft_p_min": 0.9}}, sampled)
     free_k = sum(k * n for f in free for k, n in f.spec.passes_by_k.items()) / sum(f.spec.target_forwards for f in free)

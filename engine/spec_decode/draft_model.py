@@ -75,7 +75,10 @@ class DraftModelProposer:
             noise = [None if requests[a].noise is None else requests[a].noise.at(requests[a].num_output_tokens + step)
                      for a in active]   # seeded requests draft with the noise the target will draw with
             tokens = sample(probs, tensors.is_greedy, [requests[a].generator for a in active], noise)
-            own = probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            # The draft's confidence in its token: q for sampled rows; for greedy rows (whose q is
+            # one-hot) the draft's own softmax.
+            sure = torch.where(tensors.is_greedy.unsqueeze(1), logits.float().softmax(dim=-1), probs)
+            own = sure.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
             for row, a in enumerate(active):
                 drafts[a].append(int(tokens[row]))
                 draft_probs[a, step] = probs[row]
