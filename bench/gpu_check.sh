@@ -16,8 +16,8 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPA
   python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 python -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt"
-timeout 300 python -m pytest -q -p no:cacheprovider -rxs tests/test_spec_decode.py tests/test_engine.py \
+timeout 300 python -m pytest -q -p no:cacheprovider -rxs tests/test_spec_decode.py tests/test_controller.py tests/test_engine.py \
     tests/test_rejection.py tests/test_sampler.py tests/test_kv_cache.py tests/test_models.py 2>&1 \
     | tee "$OUT/engine_tests.txt"
 timeout 150 python bench/bench_engine.py --dtype bfloat16 --new-tokens 128 2>&1 | tee "$OUT/bench_engine.txt"
-timeout 150 python bench/bench_spec.py --dtype float32 --skip-hf 2>&1 | tee "$OUT/bench_spec.txt"
+timeout 240 python bench/bench_spec.py --dtype float32 --alphas 0,0.5,0.9 --batches 1,16 2>&1 | grep -v 'Writing\|Loading' | tee "$OUT/bench_spec.txt"

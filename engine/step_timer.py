@@ -48,10 +48,10 @@ class PlainStepTimer:
 
 class CostCurve:
     """Seconds of one forward pass as a function of the rows (tokens) it processes: moving averages
-    per power-of-two bucket of rows, interpolated linearly in between and extrapolated past the
-    largest bucket from the last two."""
+    per power-of-two bucket of rows, made non-decreasing (timings are noisy; more rows never cost
+    less), interpolated linearly in between and extrapolated past the largest bucket."""
 
-    def __init__(self, smoothing: float = 0.1):
+    def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
         self.seconds: dict[int, float] = {}
 
@@ -63,7 +63,10 @@ class CostCurve:
     def __call__(self, rows: int) -> float:
         if rows <= 0 or not self.seconds:
             return 0.0
-        points = sorted(self.seconds.items())
+        points, highest = [], 0.0
+        for x, y in sorted(self.seconds.items()):
+            highest = max(highest, y)
+            points.append((x, highest))
         if rows <= points[0][0]:
             return points[0][1]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
@@ -96,5 +99,7 @@ class StepCostModel:
         return self.draft(rows)
 
     def per_token(self, num_tokens: int) -> float:
-        """Marginal target cost of one more token in a pass of num_tokens."""
-        return max(self.target(num_tokens + 1) - self.target(num_tokens), 0.0)
+        """Marginal target cost of one more token in a pass of num_tokens: the slope over the next
+        max(4, num_tokens) tokens (the range drafts add to a pass), steadier than one token's step."""
+        span = max(4, num_tokens)
+        return max(self.target(num_tokens + span) - self.target(num_tokens), 0.0) / span

@@ -55,7 +55,7 @@ def test_bf16_target_with_fp32_draft_on_cuda(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "tiny", arch="llama", seed=0)
     spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 3, "adaptive": False, "dtype": "float32"}
     llm = LLM(str(path), dtype="bfloat16", device="cuda", speculative=spec)
-    assert not llm.engine.proposer.runner.use_flash
+    assert not llm.engine.proposer.proposers["draft"].runner.use_flash
     assert llm.engine.target.use_flash == flash_available(torch.device("cuda"))
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 12 and out.spec.proposed > 0

@@ -318,14 +318,20 @@ def sample_sequences(target: str, spec: dict, prompt, params, num: int, seeded: 
                           num_kv_blocks=8192, speculative=spec)
     engine = Engine(config)
     counts = np.zeros((VOCAB,) * 5)
+    sample_sequences.mixed_passes = 0   # passes that verified draft-model and n-gram drafts together
     for start in range(0, num, 3000):
         seqs = {}
         for seed in range(start, min(num, start + 3000)):
-            engine.add_request(str(seed), prompt, dataclasses.replace(params, seed=seed) if seeded else params)
+            mine = dataclasses.replace(params, seed=seed) if seeded else params
+            if spec["method"] == "auto":   # alternate requests between the proposers: both in every pass
+                mine = dataclasses.replace(mine, speculative_method=("draft", "ngram")[seed % 2])
+            engine.add_request(str(seed), prompt, mine)
             seqs[str(seed)] = []
         while engine.has_unfinished_requests():
             for out in engine.step():
                 seqs[out.request_id].extend(out.new_token_ids)
+            methods = {m for m, _, _ in engine.last_stats.drafts_by_method} if engine.last_stats else set()
+            sample_sequences.mixed_passes += methods >= {"draft", "ngram"}
         for tokens in seqs.values():
             counts[tuple(tokens[:5])] += 1
     return counts, engine.totals.acceptance_rate
@@ -369,6 +375,7 @@ SAMPLING_CASES = {   # (sampling fields, draft config extras or None for n-gram,
     "ngram": (dict(temperature=0.9, top_k=10), None, False),
     "seeded-draft-top_p": (dict(temperature=0.9, top_p=0.9), {}, True),
     "seeded-ngram": (dict(temperature=0.9, top_k=10), None, True),
+    "mixed-draft-and-ngram": (dict(temperature=0.9, top_k=10), "mixed", False),
 }
 
 
@@ -378,6 +385,9 @@ def run_case(target: str, draft: str, case: str, num: int = SAMPLES) -> tuple[np
     params = SamplingParams(max_tokens=5, ignore_eos=True, **fields)
     if extra is None:   # deterministic drafts (q one-hot) from the prompt
         spec, prompt = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3}, ngram_prompt(target)
+    elif extra == "mixed":   # model drafts and n-gram guesses verified in the same passes
+        spec = {"method": "auto", "model": draft, "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3}
+        prompt = ngram_prompt(target)
     else:
         spec, prompt = draft_spec(draft, **extra), PROMPT
     counts, acceptance = sample_sequences(target, spec, prompt, params, num, seeded)
@@ -389,8 +399,10 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_pair, case
     counts, acceptance, probs = run_case(*small_vocab_pair, case)
     # acceptance where every branch of the sampler runs often (measured: draft 0.54-0.64, rejection
     # sampling and coupled alike; n-gram 0.32)
-    lowest = 0.4 if SAMPLING_CASES[case][1] is not None else 0.25
+    lowest = 0.4 if isinstance(SAMPLING_CASES[case][1], dict) else 0.25
     assert lowest <= acceptance <= 0.8, acceptance
+    if case.startswith("mixed"):
+        assert sample_sequences.mixed_passes > 0
     pvalues = position_pvalues(counts, probs)
     assert min(pvalues.values()) > P_MIN, pvalues
 

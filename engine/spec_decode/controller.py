@@ -14,7 +14,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   Marginal gains fall with k and the bar (the step's current tokens per second) rises with the
   batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff.
 - A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, at
-  intervals that double while probes fail), so it notices when acceptance comes back.
+  intervals that double while probes fail and shrink to every step once one succeeds, on steps that are multiples of the interval so that
+  requests probe together and share the draft forward), so it notices when acceptance comes back.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
   needed (or `draft_p_min`, when configured).
@@ -31,7 +32,7 @@ PRIOR_WEIGHT = 1.0        # pseudo-observations of the engine-wide rate behind e
 REQUEST_DECAY = 0.85      # per observation: a request's counts forget with a half-life of ~4 steps
 GLOBAL_DECAY = 0.98       # the engine-wide rate: half-life ~35 observations (of any request)
 PROBE_INTERVAL = 8        # steps of k = 0 before a probe; doubles after each failed probe ...
-MAX_PROBE_INTERVAL = 32   # ... up to this
+MAX_PROBE_INTERVAL = 16   # ... up to this
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class SpecController:
         self.global_counts = {m: DecayedCounts(GLOBAL_DECAY) for m in self.methods}
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
+        self.num_plans = 0   # steps planned: probes fall on shared steps, so they share draft forwards
 
     # ---- estimates ---------------------------------------------------------------
     def acceptance(self, request_id: str, method: str) -> float:
@@ -100,6 +102,7 @@ class SpecController:
         {method: tokens that method must catch up on first}). Returns a Plan per request id."""
         if not self.adaptive:
             return {rid: self._static(caps) for rid, caps, _ in candidates}
+        self.num_plans += 1
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens, [])
         per_token = self.costs.per_token(base_tokens)
@@ -148,6 +151,8 @@ class SpecController:
                                    if self._is_model(method) else 0.0)
             expected, time = float(batch), plain_time
             for gain in self.gains(rid, method, cap):
+                if (expected + gain) / (time + seconds) <= expected / time:
+                    break   # gains only fall from here: this method's best is behind us
                 expected, time = expected + gain, time + seconds
                 if expected / time > best_rate:
                     best, best_rate = method, expected / time
@@ -186,7 +191,9 @@ class SpecController:
 
     def _probe(self, rid: str, caps: dict[str, int], state: RequestSpecState) -> Plan | None:
         usable = [m for m in self.methods if caps.get(m, 0) > 0]
-        if not usable or state.steps_since_draft + 1 < state.probe_interval:
+        # Due, and on a step that is a multiple of the interval: requests due together probe together.
+        aligned = self.num_plans % min(state.probe_interval, PROBE_INTERVAL) == 0
+        if not usable or state.steps_since_draft + 1 < state.probe_interval or not aligned:
             return None
         method = max(usable, key=lambda m: self.acceptance(rid, m))
         state.steps_since_draft = 0
@@ -211,10 +218,10 @@ class SpecController:
         state = self.states.setdefault(request_id, RequestSpecState())
         state.counts.setdefault(method, DecayedCounts(REQUEST_DECAY)).observe(num_drafted, num_accepted)
         self.global_counts[method].observe(num_drafted, num_accepted)
-        if num_accepted > 0:
-            state.probe_interval = PROBE_INTERVAL
+        if num_accepted > 0:     # acceptance may be back: while the plan still says k = 0, probe every step
+            state.probe_interval = 1
         elif num_drafted == 1:   # a failed probe: wait longer before the next one
-            state.probe_interval = min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
+            state.probe_interval = min(max(2 * state.probe_interval, PROBE_INTERVAL), MAX_PROBE_INTERVAL)
 
     def on_finish(self, request_id: str) -> None:
         self.states.pop(request_id, None)
