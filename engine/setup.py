@@ -152,9 +152,10 @@ def _max_model_len(config: EngineConfig, target, draft, kv_capacity: int) -> int
 
 def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner, draft, pool: BlockPool,
                max_batch: int, gamma: int) -> None:
-    """Time plain greedy decode steps through the real verification path on scratch blocks (the
-    plain-step timer, and the cost model's target curve at 1..max_batch tokens), verification-shaped
-    passes of gamma + 1 tokens per request (the curve at more tokens), and draft forwards."""
+    """Time, through the real verification path on scratch blocks: plain greedy decode steps at batch
+    1, 2, 4, ... (the plain-step timer and the cost model's plain curve), verification passes of
+    gamma + 1 tokens per request at the same batches and of 2 tokens at batch 1 (its verification
+    curve), and draft forwards."""
     context = 2 * pool.block_size
     max_batch = min(max_batch, pool.num_free_blocks // 4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -178,7 +179,7 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
         items = [ScheduledRequest.of(r, 1, lookahead) for r in scheduled]
         verify(target, items, proposal)   # warm-up
         best = float("inf")
-        for _ in range(5):   # the fastest of five: timings only err upwards (other work, page faults)
+        for _ in range(3):   # the fastest of three: timings only err upwards (other work, page faults)
             start = time.perf_counter()
             verify(target, items, proposal)
             best = min(best, time.perf_counter() - start)
@@ -187,13 +188,13 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
 
     if max_batch < 1:
         return
+    costs.target.observe(2, target_pass(1, 1))
     batch = 1
     while batch <= max_batch:
         seconds = target_pass(batch, 0)
         timer.seconds[batch] = seconds
-        costs.target.observe(batch, seconds)
-        if batch * (gamma + 1) > max_batch:
-            costs.target.observe(batch * (gamma + 1), target_pass(batch, gamma))
+        costs.plain.observe(batch, seconds)
+        costs.target.observe(batch * (gamma + 1), target_pass(batch, gamma))
         batch *= 2
     if draft is not None:
         batch = 1

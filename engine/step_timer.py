@@ -84,22 +84,35 @@ class CostCurve:
 
 class StepCostModel:
     """Predicted time of one engine step: the target pass as a function of the tokens in it, plus
-    each draft-model forward as a function of its rows. The engine calibrates both at start-up and
-    keeps refining them from every step it runs (the target pass) and every draft forward."""
+    each draft-model forward as a function of its rows. A pass that verifies drafts and a plain
+    decode pass of as many tokens cost differently (multi-token queries take the prefill kernels),
+    so there are two target curves: `plain` (steps without drafts) and `target` (steps with). The
+    engine calibrates all three at start-up and refines them from every step and draft forward."""
 
     def __init__(self):
+        self.plain = CostCurve()
         self.target = CostCurve()
         self.draft = CostCurve()
 
+    def observe_pass(self, num_tokens: int, seconds: float, with_drafts: bool) -> None:
+        (self.target if with_drafts else self.plain).observe(num_tokens, seconds)
+
     def step_time(self, num_tokens: int, draft_rows: list[int]) -> float:
-        """num_tokens fed to the target; draft_rows: rows of each sequential draft forward."""
+        """num_tokens fed to the target; draft_rows: rows of each sequential draft forward (none:
+        a plain step)."""
+        if not draft_rows and self.plain.ready:
+            return self.plain(num_tokens)
         return self.target(num_tokens) + sum(self.draft(rows) for rows in draft_rows)
+
+    def verify_time(self, num_tokens: int) -> float:
+        """The target pass alone, shaped as a verification (drafts, from any proposer)."""
+        return self.target(num_tokens)
 
     def draft_forward(self, rows: int) -> float:
         return self.draft(rows)
 
     def per_token(self, num_tokens: int) -> float:
-        """Marginal target cost of one more token in a pass of num_tokens: the slope over the next
-        max(4, num_tokens) tokens (the range drafts add to a pass), steadier than one token's step."""
+        """Marginal cost of one more token in a verification pass of num_tokens: the slope over the
+        next max(4, num_tokens) tokens (the range drafts add to a pass), steadier than one token's step."""
         span = max(4, num_tokens)
         return max(self.target(num_tokens + span) - self.target(num_tokens), 0.0) / span

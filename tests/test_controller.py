@@ -196,3 +196,19 @@ def test_per_request_control(pair):
         SamplingParams(speculative_method="medusa")
     with pytest.raises(ValueError, match="speculative.num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=True)
+
+
+def test_a_costly_verification_shape_keeps_plain_decoding():
+    """Verifying even one draft takes a slower kernel than a plain pass of as many tokens: drafting
+    must clear that jump, so moderate acceptance stays plain and high acceptance still drafts."""
+    model = StepCostModel()
+    for rows in (1, 4, 16, 64):
+        model.draft.observe(rows, 0.004 * (1 + rows / 64))
+    for tokens in (1, 2, 4, 8, 16, 32, 64):
+        model.plain.observe(tokens, 0.030 + 0.0005 * (tokens - 1))
+    for tokens in (2, 4, 8, 16, 32, 64, 128, 256):
+        model.target.observe(tokens, 0.045 + 0.0005 * (tokens - 1))   # +15 ms for the verification shape
+    moderate = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.4})
+    assert set(plan_k(moderate, 4)) == {("none", 0)}
+    high = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.95})
+    assert all(k >= 3 for _, k in plan_k(high, 4))

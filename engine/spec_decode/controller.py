@@ -105,8 +105,11 @@ class SpecController:
         self.num_plans += 1
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens, [])
+        # Plan as if the pass verifies drafts (its shape costs more than a plain pass of as many
+        # tokens), then keep the plan only if it beats plain decoding at the plain pass's cost.
+        drafting_time = self.costs.verify_time(base_tokens)
         per_token = self.costs.per_token(base_tokens)
-        methods = {rid: self._choose_method(rid, caps, lag, len(candidates), plain_time, per_token)
+        methods = {rid: self._choose_method(rid, caps, lag, len(candidates), drafting_time, per_token)
                    for rid, caps, lag in candidates}
         model_users = [rid for rid, m in methods.items() if m is not None and self._is_model(m)]
         lag_total = sum(lag.get(methods[rid], 0) for rid, _, lag in candidates if rid in model_users)
@@ -122,7 +125,7 @@ class SpecController:
             for gain in self.gains(rid, method, caps[method]):
                 increments.append((gain / max(seconds, 1e-9), gain, seconds, rid))
         increments.sort(key=lambda item: -item[0])
-        expected, time = float(len(candidates)), plain_time
+        expected, time = float(len(candidates)), drafting_time
         ks: dict[str, int] = {}
         bars: dict[str, float] = {}
         for _, gain, seconds, rid in increments:
@@ -131,7 +134,8 @@ class SpecController:
             expected, time = expected + gain, time + seconds
             ks[rid] = ks.get(rid, 0) + 1
             bars[rid] = gain
-        time = self.predicted_time(base_tokens, ks, methods, {rid: lag for rid, _, lag in candidates})
+        time = self.predicted_time(base_tokens, ks, methods, {rid: lag for rid, _, lag in candidates}) \
+            if ks else plain_time
         if ks and expected / time < len(candidates) / plain_time:   # the exact costs say plain is better
             ks, time = {}, plain_time
         self.last_predicted_time = time
@@ -139,17 +143,17 @@ class SpecController:
                 for rid, caps, _ in candidates}
 
     def _choose_method(self, rid: str, caps: dict[str, int], lag: dict[str, int], batch: int,
-                       plain_time: float, per_token: float) -> str | None:
+                       base_time: float, per_token: float) -> str | None:
         """The proposer that would raise the step's tokens per second most if this request drafted
         alone with it (a model draft's forward priced as if the whole batch shared it)."""
-        best, best_rate = None, batch / plain_time
+        best, best_rate = None, batch / base_time
         for method in self.methods:
             cap = caps.get(method, 0)
             if cap <= 0:
                 continue
             seconds = per_token + (self._draft_row_cost(batch, lag.get(method, 0) * batch)
                                    if self._is_model(method) else 0.0)
-            expected, time = float(batch), plain_time
+            expected, time = float(batch), base_time
             for gain in self.gains(rid, method, cap):
                 if (expected + gain) / (time + seconds) <= expected / time:
                     break   # gains only fall from here: this method's best is behind us
