@@ -147,12 +147,15 @@ class AsyncEngine:
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
         last_stats = None
+        commands: list[tuple] = []   # taken from the queue, not yet applied: failed too if the loop dies
         try:
             while True:
                 commands = self._wait_for_work()
                 if commands is None:
+                    commands = []
                     break
                 self._apply(commands)
+                commands = []
                 if not self.engine.has_unfinished_requests():
                     self._observe_idle()
                     continue
@@ -173,7 +176,7 @@ class AsyncEngine:
             logger.exception("the engine loop died")
             self.error = exc
         with self._wakeup:
-            pending, self._stopping = list(self._commands), True
+            pending, self._stopping = commands + list(self._commands), True
             self._commands.clear()
         try:
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(self.dead_reason), pending)

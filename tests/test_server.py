@@ -173,18 +173,28 @@ def test_stop_matcher_holds_possible_prefixes_and_never_leaks():
     assert tail.finish() == "ab"
 
 
+class CountingRequest:
+    """What the bridge reads of an engine request it aborts (to stand in for its final output)."""
+
+    def __init__(self, max_tokens: int, num_prompt_tokens: int):
+        from engine.outputs import SpecStats
+        self.max_tokens, self.num_prompt_tokens, self.num_output_tokens = max_tokens, num_prompt_tokens, 0
+        self.arrival_time = self.first_scheduled_time = self.first_token_time = time.monotonic()
+        self.spec_stats = SpecStats()
+
+
 class CountingEngine:
     """Just enough of Engine for the bridge: each step gives every request one more token."""
 
     def __init__(self):
-        self.requests: dict[str, list[int]] = {}   # id -> [max_tokens, produced]
+        self.requests: dict[str, CountingRequest] = {}
         self.polls = 0
         self.last_stats = None
 
     def add_request(self, request_id, prompt_token_ids, params):
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
-        self.requests[request_id] = [params.max_tokens, 0]
+        self.requests[request_id] = CountingRequest(params.max_tokens, len(prompt_token_ids))
 
     def abort_request(self, request_id):
         self.requests.pop(request_id, None)
@@ -196,10 +206,11 @@ class CountingEngine:
     def step(self):
         from engine.outputs import RequestOutput
         outputs = []
-        for request_id, state in list(self.requests.items()):
-            state[1] += 1
-            finished = state[1] == state[0]
-            outputs.append(RequestOutput(request_id, [state[1]], finished, "length" if finished else None))
+        for request_id, request in list(self.requests.items()):
+            request.num_output_tokens += 1
+            finished = request.num_output_tokens == request.max_tokens
+            outputs.append(RequestOutput(request_id, [request.num_output_tokens], finished,
+                                         "length" if finished else None))
             if finished:
                 del self.requests[request_id]
         return outputs
@@ -230,9 +241,33 @@ def test_async_engine_delivers_between_steps_and_sleeps_when_idle():
         polls = engine.polls
         await asyncio.sleep(0.3)
         assert engine.polls - polls <= 1, "the idle engine loop should sleep, not poll"
+        assert bridge.is_alive
         bridge.stop()
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_dying_engine_loop_fails_the_commands_it_had_taken():
+    """An add taken from the queue in the same batch as the command that kills the loop is failed
+    with EngineDeadError (it used to wait forever)."""
+    from engine.sampling_params import SamplingParams
+    from server.async_engine import AsyncEngine, EngineDeadError
+
+    class BrokenAbort(CountingEngine):
+        def abort_request(self, request_id):
+            raise RuntimeError("abort bug")
+
+    async def scenario():
+        bridge = AsyncEngine(BrokenAbort())
+        bridge.start()
+        added = asyncio.get_running_loop().create_future()
+        bridge._submit([("abort", "x", "abort"), ("add", "c", [1], SamplingParams(), added)])   # one batch
+        with pytest.raises(EngineDeadError, match="abort bug"):
+            await asyncio.wait_for(added, 10)
+        assert not bridge.is_alive
+        bridge.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 # ---- endpoints -----------------------------------------------------------------------------------
