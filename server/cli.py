@@ -81,7 +81,7 @@ def serve(config: ServerConfig) -> None:
 
     engine = Engine(config.engine)
     tokenizer = load_tokenizer(config.tokenizer)
-    metrics = Metrics(config.served_model_name, engine.method)
+    metrics = Metrics(config.served_model_name, engine.method, proposers=engine.proposer.methods)
     app = create_app(engine, tokenizer, config.served_model_name, config.api_key, metrics)
     host = f"[{config.host}]" if ":" in config.host else config.host
     logger.info("specserve: model=%s served as %r, dtype=%s, device=%s, kv_blocks=%d x %d tokens, "

@@ -1,8 +1,10 @@
 """Prometheus metrics: request latencies, batching, KV cache, speculation acceptance and speedup.
 
 Names follow vLLM's (``vllm:`` -> ``specserve:``) so existing dashboards and habits carry over.
-Every series carries ``model_name``; the ``spec_decode_*`` series also carry ``method``
-("draft" | "ngram" | "none").
+Every series carries ``model_name``; the ``spec_decode_*`` series also carry ``method``, the
+engine's configured strategy ("auto" | "draft" | "ngram" | "none"); the ``*_by_proposer`` counters
+also carry ``proposer`` ("draft" | "ngram"), the proposer that drafted (under "auto", each request
+and step picks one).
 
 Who calls what:
 - ``observe_step`` once per ``Engine.step()``, on the engine thread. It must stay cheap: a few
@@ -28,6 +30,25 @@ Counting rules (so nothing is counted twice):
   over requests that completed.
 - ``inter_token_latency_seconds`` is the gap between streamed deltas. With speculation one delta
   often carries several tokens, so this is the latency a client sees between updates.
+- ``spec_decode_chosen_k`` counts decode passes (per request per step) by the number of drafts
+  they verified, 0 (plain decoding) included: the speculation controller's k, as far as the
+  proposer could fill it (an n-gram miss verifies 0; only passes with k >= 1 appear in
+  ``accepted_length``). Its count equals the sum over responses of their ``speculative.k``
+  histograms, its sum ``num_draft_tokens``.
+- ``spec_decode_num_draft_tokens_by_proposer`` / ``..._num_accepted_tokens_by_proposer`` split
+  ``num_draft_tokens`` / ``num_accepted_tokens`` by the proposer that drafted; summed over
+  ``proposer`` they equal the unsplit counters.
+
+Calibration of the controller's cost model (steps with adaptive speculation only): on every pure
+decode step the controller predicted a time for (``StepStats.predicted_time_s``),
+- ``spec_decode_predicted_step_time_seconds`` (histogram) observes the predicted draft + verify time,
+- ``spec_decode_measured_step_time_seconds`` (counter) adds the measured draft + verify time of
+  the same steps, so ``rate(measured_total) / rate(predicted_sum)`` is the calibration over any
+  window (1 = right on average, > 1 = the model is optimistic: it under-prices speculation),
+  and ``rate(predicted_sum) / rate(predicted_count)`` vs ``rate(measured_total) /
+  rate(predicted_count)`` are the mean predicted and measured step times;
+- ``spec_decode_step_time_ratio`` (histogram) observes measured / predicted per step, for the
+  spread of the error (its quantiles), which the ratio of sums hides.
 
 Gauges derived over a window (the last ``window_steps`` steps, see ``_SpecWindow``):
 - ``spec_decode_acceptance_rate`` = accepted / proposed draft tokens over recent steps that
@@ -71,6 +92,8 @@ STEP_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.
                      0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 BATCHED_TOKENS_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# measured / predicted step time: symmetric on a log scale around 1
+STEP_TIME_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.11, 1.25, 1.5, 2.0, 4.0)
 
 
 class _IntHistogram:
@@ -157,7 +180,9 @@ class Metrics:
     """All specserve metrics for one served model, in their own registry by default."""
 
     def __init__(self, model_name: str, method: str, registry: CollectorRegistry | None = None,
-                 window_steps: int = WINDOW_STEPS):
+                 window_steps: int = WINDOW_STEPS, proposers: tuple[str, ...] | list[str] | None = None):
+        """``proposers``: the engine's proposers (``engine.proposer.methods``), whose per-proposer
+        series then exist at 0 from the start; others appear when they first draft."""
         self.model_name, self.method = model_name, method
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         base = {"model_name": model_name}
@@ -192,6 +217,37 @@ class Metrics:
         self.registry.register(self.accepted_length)
         self.draft_time = histogram("spec_decode_draft_time_seconds", "Time spent proposing draft tokens, per step.", STEP_TIME_BUCKETS, spec)
         self.verify_time = histogram("spec_decode_verify_time_seconds", "Time spent in the target forward and rejection sampling, per step.", STEP_TIME_BUCKETS, spec)
+        self.chosen_k = _IntHistogram(
+            PREFIX + "spec_decode_chosen_k",
+            "Drafts verified per decode pass of one request (0: plain decoding), as the speculation controller chose.",
+            spec, MAX_SPEC_TOKENS)
+        self.registry.register(self.chosen_k)
+        by_proposer = ["model_name", "method", "proposer"]
+        self._draft_tokens_by_proposer_family = Counter(
+            PREFIX + "spec_decode_num_draft_tokens_by_proposer",
+            "Draft tokens proposed to the target model, by the proposer that drafted them.",
+            by_proposer, registry=self.registry)
+        self._accepted_tokens_by_proposer_family = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_by_proposer",
+            "Draft tokens accepted and emitted, by the proposer that drafted them.",
+            by_proposer, registry=self.registry)
+        self._by_proposer: dict[str, tuple] = {}   # proposer -> (draft tokens child, accepted tokens child)
+        if proposers is None:   # a one-proposer strategy names it; under "auto" each appears when it drafts
+            proposers = (method,) if method in ("draft", "ngram") else ()
+        for proposer in proposers:
+            self._proposer_children(proposer)
+        self.predicted_time = histogram(
+            "spec_decode_predicted_step_time_seconds",
+            "The speculation controller's predicted draft + verify time of a pure decode step (adaptive speculation).",
+            STEP_TIME_BUCKETS, spec)
+        self.measured_time = counter(
+            "spec_decode_measured_step_time_seconds",
+            "Measured draft + verify time of the steps spec_decode_predicted_step_time_seconds observed "
+            "(rate of this / rate of its _sum: measured / predicted).", spec)
+        self.time_ratio = histogram(
+            "spec_decode_step_time_ratio",
+            "Measured / predicted draft + verify time per pure decode step with a prediction.",
+            STEP_TIME_RATIO_BUCKETS, spec)
         self._acceptance_rate = gauge("spec_decode_acceptance_rate", f"Accepted / proposed draft tokens over the last {window_steps} steps that verified drafts.", spec)
         self._speedup = gauge("spec_decode_estimated_speedup", f"Estimated decode speedup over plain decoding at the same batch sizes, over the last {window_steps} decode steps; 1 for method none.", spec)
         if method == "none":
@@ -240,6 +296,17 @@ class Metrics:
         if stats.accepted_per_position:
             self._count_positions(stats.accepted_per_position)
         self.accepted_length.observe_many(stats.accepted_lengths)
+        self.chosen_k.observe_many(stats.chosen_k)
+        for proposer, proposed, accepted in stats.drafts_by_method:
+            drafted, taken = self._by_proposer.get(proposer) or self._proposer_children(proposer)
+            drafted.inc(proposed)
+            taken.inc(accepted)
+        if stats.predicted_time_s is not None and stats.pure_decode and stats.batch_size > 0:
+            measured = stats.draft_time_s + stats.verify_time_s
+            self.predicted_time.observe(stats.predicted_time_s)
+            self.measured_time.inc(measured)
+            if stats.predicted_time_s > 0:
+                self.time_ratio.observe(measured / stats.predicted_time_s)
         if stats.batch_size > 0:
             self.batch_size.observe(stats.batch_size)
             self.num_batched_tokens.observe(stats.num_batched_tokens)
@@ -248,6 +315,13 @@ class Metrics:
                 self.draft_time.observe(stats.draft_time_s)
             self.verify_time.observe(stats.verify_time_s)
         self._update_window_gauges(stats)
+
+    def _proposer_children(self, proposer: str) -> tuple:
+        labels = {"model_name": self.model_name, "method": self.method, "proposer": proposer}
+        children = (self._draft_tokens_by_proposer_family.labels(**labels),
+                    self._accepted_tokens_by_proposer_family.labels(**labels))
+        self._by_proposer[proposer] = children
+        return children
 
     def _count_positions(self, accepted_per_position: tuple[int, ...]) -> None:
         children = self._accepted_per_pos

@@ -40,13 +40,14 @@ K8S = DEPLOY / "k8s"
 @pytest.fixture(scope="module")
 def exported() -> dict[str, str]:
     """{sample name: family type} of everything Metrics exports once each kind of event happened."""
-    metrics = Metrics("tiny", "draft")
+    metrics = Metrics("tiny", "auto", proposers=["draft", "ngram"])
     metrics.observe_step(StepStats(
-        method="draft", num_running=2, num_waiting=1, kv_cache_usage=0.5, batch_size=2,
+        method="auto", num_running=2, num_waiting=1, kv_cache_usage=0.5, batch_size=2,
         num_batched_tokens=10, num_preemptions=1, num_prompt_tokens=0, num_generation_tokens=5,
         num_drafts=2, num_draft_tokens=8, num_accepted_tokens=3, num_target_forwards=2,
         accepted_per_position=(2, 1, 0, 0), accepted_lengths=(2, 1), draft_time_s=0.002,
-        verify_time_s=0.01, plain_step_time_s=0.008, pure_decode=True))
+        verify_time_s=0.01, plain_step_time_s=0.008, pure_decode=True,
+        chosen_k=(4, 4), drafts_by_method=(("draft", 4, 2), ("ngram", 4, 1)), predicted_time_s=0.011))
     metrics.observe_request(RequestOutput("r", [1], finished=True, finish_reason="stop",
                                           timing=RequestTiming(0.0, 0.1, 0.2, 1.0)))
     metrics.observe_token_gap(0.02)
@@ -140,7 +141,10 @@ def test_dashboard_covers_the_engine(dashboard):
                    "spec_decode_draft_time_seconds", "spec_decode_verify_time_seconds", "prompt_tokens",
                    "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
                    "e2e_request_latency_seconds", "num_requests_running", "num_requests_waiting",
-                   "kv_cache_usage_perc", "num_preemptions", "batch_size"]:
+                   "kv_cache_usage_perc", "num_preemptions", "batch_size", "spec_decode_chosen_k",
+                   "spec_decode_num_draft_tokens_by_proposer", "spec_decode_num_accepted_tokens_by_proposer",
+                   "spec_decode_predicted_step_time_seconds", "spec_decode_measured_step_time_seconds",
+                   "spec_decode_step_time_ratio"]:
         assert "specserve:" + needed in base, f"no panel shows {needed}"
     quantiles = " ".join(e for e in dashboard_exprs(dashboard) if "histogram_quantile" in e)
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
@@ -207,7 +211,7 @@ def test_dashboard_promql_parses(dashboard, tmp_path):
     """Each dashboard expression, with Grafana's variables filled in, as a recording rule for promtool."""
     rules = []
     for i, expr in enumerate(dashboard_exprs(dashboard)):
-        expr = expr.replace("$__rate_interval", "1m").replace("$model_name", ".*")
+        expr = expr.replace("$__rate_interval", "1m").replace("$__range", "1h").replace("$model_name", ".*")
         assert "$" not in expr, expr
         rules.append({"record": f"specserve:dashboard_expr_{i}", "expr": expr})
     path = tmp_path / "rules.yml"

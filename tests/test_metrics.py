@@ -14,11 +14,14 @@ MODEL = "tiny-llama"
 COUNTERS = [
     "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
     "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
-    "spec_decode_num_target_forwards_total", "num_preemptions_total", "prompt_tokens_total",
+    "spec_decode_num_target_forwards_total", "spec_decode_num_draft_tokens_by_proposer_total",
+    "spec_decode_num_accepted_tokens_by_proposer_total", "spec_decode_measured_step_time_seconds_total",
+    "num_preemptions_total", "prompt_tokens_total",
     "generation_tokens_total", "discarded_tokens_total", "request_success_total",
 ]
 HISTOGRAMS = [
     "spec_decode_accepted_length", "spec_decode_draft_time_seconds", "spec_decode_verify_time_seconds",
+    "spec_decode_chosen_k", "spec_decode_predicted_step_time_seconds", "spec_decode_step_time_ratio",
     "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
     "request_queue_time_seconds", "batch_size", "num_batched_tokens",
 ]
@@ -36,6 +39,7 @@ def step(**overrides) -> StepStats:
         num_drafts=3, num_draft_tokens=12, num_accepted_tokens=6, num_target_forwards=3,
         accepted_per_position=(3, 2, 1, 0), accepted_lengths=(4, 2, 0),
         draft_time_s=0.004, verify_time_s=0.012, plain_step_time_s=0.010, pure_decode=True,
+        chosen_k=(4, 4, 4), drafts_by_method=(("draft", 12, 6),), predicted_time_s=0.020,
     )
     fields.update(overrides)
     return StepStats(**fields)
@@ -74,17 +78,20 @@ def spec_labels(method="draft"):
 STEPS = [
     step(num_prompt_tokens=40, num_batched_tokens=40, num_generation_tokens=2, num_drafts=0, pure_decode=False,
          num_draft_tokens=0, num_accepted_tokens=0, num_target_forwards=0, accepted_per_position=(),
-         accepted_lengths=(), draft_time_s=0.0, verify_time_s=0.02, batch_size=2, num_running=2),
+         accepted_lengths=(), draft_time_s=0.0, verify_time_s=0.02, batch_size=2, num_running=2,
+         chosen_k=(), drafts_by_method=(), predicted_time_s=None),
     step(),
     step(num_preemptions=1, num_drafts=2, num_draft_tokens=8, num_accepted_tokens=7,
          num_target_forwards=2, accepted_per_position=(2, 2, 2, 1), accepted_lengths=(4, 3),
-         num_generation_tokens=9, batch_size=2, num_batched_tokens=10),
+         num_generation_tokens=9, batch_size=2, num_batched_tokens=10,
+         chosen_k=(4, 4), drafts_by_method=(("draft", 8, 7),), predicted_time_s=0.008),
     step(num_drafts=1, num_draft_tokens=2, num_accepted_tokens=0, num_target_forwards=3,
-         accepted_per_position=(0, 0), accepted_lengths=(0,), num_generation_tokens=3),
+         accepted_per_position=(0, 0), accepted_lengths=(0,), num_generation_tokens=3,
+         chosen_k=(2, 0, 0), drafts_by_method=(("draft", 2, 0),), predicted_time_s=None),
     step(batch_size=0, num_running=0, num_waiting=0, num_batched_tokens=0, num_generation_tokens=0,
          num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, num_target_forwards=0,
          accepted_per_position=(), accepted_lengths=(), draft_time_s=0.0, verify_time_s=0.0,
-         kv_cache_usage=0.0),
+         kv_cache_usage=0.0, chosen_k=(), drafts_by_method=(), predicted_time_s=None),
 ]
 
 
@@ -135,6 +142,61 @@ def test_step_histograms(fed):
     assert value(fed, "spec_decode_draft_time_seconds_count", **sl) == len(ran)
     assert value(fed, "spec_decode_draft_time_seconds_sum", **sl) == pytest.approx(sum(s.draft_time_s for s in ran))
     assert value(fed, "spec_decode_verify_time_seconds_sum", **sl) == pytest.approx(sum(s.verify_time_s for s in ran))
+
+
+def test_chosen_k_histogram(fed):
+    sl = spec_labels()
+    ks = [k for s in STEPS for k in s.chosen_k]
+    assert sorted(ks) == [0, 0, 2, 4, 4, 4, 4, 4]
+    assert value(fed, "spec_decode_chosen_k_count", **sl) == 8
+    assert value(fed, "spec_decode_chosen_k_sum", **sl) == 22 == value(fed, "spec_decode_num_draft_tokens_total", **sl)
+    for le, expected in [(0, 2), (1, 2), (2, 3), (3, 3), (4, 8), (16, 8)]:   # cumulative, one bucket per k
+        assert value(fed, "spec_decode_chosen_k_bucket", le=f"{float(le)}", **sl) == expected
+    assert value(fed, "spec_decode_chosen_k_bucket", le="+Inf", **sl) == 8
+
+
+def test_per_proposer_counters(fed):
+    sl = spec_labels()
+    assert value(fed, "spec_decode_num_draft_tokens_by_proposer_total", proposer="draft", **sl) == 12 + 8 + 2
+    assert value(fed, "spec_decode_num_accepted_tokens_by_proposer_total", proposer="draft", **sl) == 6 + 7 + 0
+    # an "auto" engine: both proposers' series exist from the start; split sums equal the unsplit counters
+    m = Metrics(MODEL, "auto", proposers=["draft", "ngram"])
+    al = spec_labels("auto")
+    assert value(m, "spec_decode_num_draft_tokens_by_proposer_total", proposer="ngram", **al) == 0
+    m.observe_step(step(method="auto", drafts_by_method=(("draft", 8, 5), ("ngram", 4, 1)), num_accepted_tokens=6))
+    m.observe_step(step(method="auto", drafts_by_method=(("ngram", 12, 6),)))
+    drafted = {p: value(m, "spec_decode_num_draft_tokens_by_proposer_total", proposer=p, **al) for p in ("draft", "ngram")}
+    accepted = {p: value(m, "spec_decode_num_accepted_tokens_by_proposer_total", proposer=p, **al)
+                for p in ("draft", "ngram")}
+    assert drafted == {"draft": 8, "ngram": 16} and accepted == {"draft": 5, "ngram": 7}
+    assert sum(drafted.values()) == value(m, "spec_decode_num_draft_tokens_total", **al) == 24
+    assert sum(accepted.values()) == value(m, "spec_decode_num_accepted_tokens_total", **al) == 12
+    # without the list, a proposer's series appears when it first drafts
+    lazy = Metrics(MODEL, "auto")
+    assert not [k for k in samples(lazy) if "by_proposer" in k[0]]
+    lazy.observe_step(step(method="auto", drafts_by_method=(("ngram", 12, 6),)))
+    assert value(lazy, "spec_decode_num_draft_tokens_by_proposer_total", proposer="ngram", **al) == 12
+    assert not [k for k in samples(lazy) if ("proposer", "draft") in k[1]]
+
+
+def test_predicted_against_measured_step_time(fed):
+    sl = spec_labels()
+    # pure decode steps with a prediction: STEPS[1] (0.020 predicted, 0.016 measured), STEPS[2] (0.008, 0.016)
+    assert value(fed, "spec_decode_predicted_step_time_seconds_count", **sl) == 2
+    assert value(fed, "spec_decode_predicted_step_time_seconds_sum", **sl) == pytest.approx(0.028)
+    assert value(fed, "spec_decode_measured_step_time_seconds_total", **sl) == pytest.approx(0.032)
+    assert value(fed, "spec_decode_step_time_ratio_count", **sl) == 2
+    assert value(fed, "spec_decode_step_time_ratio_sum", **sl) == pytest.approx(0.8 + 2.0)
+    assert value(fed, "spec_decode_step_time_ratio_bucket", le="0.8", **sl) == 1
+    assert value(fed, "spec_decode_step_time_ratio_bucket", le="1.5", **sl) == 1
+    assert value(fed, "spec_decode_step_time_ratio_bucket", le="2.0", **sl) == 2
+    # a prediction on a step with prefill work, or none at all, is not observed
+    m = Metrics(MODEL, "draft")
+    m.observe_step(step(pure_decode=False))
+    m.observe_step(step(predicted_time_s=None))
+    assert value(m, "spec_decode_predicted_step_time_seconds_count", **sl) == 0
+    assert value(m, "spec_decode_measured_step_time_seconds_total", **sl) == 0
+    assert value(m, "spec_decode_step_time_ratio_count", **sl) == 0
 
 
 def test_request_latencies(fed):
