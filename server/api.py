@@ -6,6 +6,11 @@ Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for i
 (pydantic's validation errors included), 401 for a missing or wrong API key, 404 for an unknown
 model, 500 when the engine fails a request, 503 when the engine loop is dead. Once a stream has
 started, an error is sent as a `data: {"error": ...}` event followed by `data: [DONE]`.
+
+Besides OpenAI's fields, a request may carry `"speculative": {"method", "num_speculative_tokens"}`
+(protocol.SpeculativeOptions), which becomes SamplingParams.speculative_method /
+num_speculative_tokens; a proposer the server was not configured with is a 400 naming those it has.
+Responses (and streamed usage chunks) carry `"speculative"` beside `usage` (protocol.speculative).
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ def _server_error(exc: Exception) -> p.APIError:
 
 
 def _param_in(message: str, names: set[str]) -> str | None:
-    first = message.split(" ", 1)[0]
+    """The request field a ValueError's message starts with ("speculative.method ..." -> speculative)."""
+    first = message.split(" ", 1)[0].split(".", 1)[0]
     return first if first in names else None
 
 
@@ -63,11 +69,24 @@ class Server:
         if not self.async_engine.is_alive:
             raise _server_error(EngineDeadError(self.async_engine.dead_reason))
 
+    def check_speculative_method(self, method: str | None) -> None:
+        """A request may pick a proposer only among those the server was configured with."""
+        offered = list(self.engine.proposer.methods)
+        if method in (None, "auto", "none") or method in offered:
+            return
+        choices = ", ".join(["auto", *offered, "none"])
+        proposers = f"proposers: {', '.join(offered)}" if offered else "no proposer"
+        raise p.APIError(400, f"speculative.method {method!r} is not available on this server (its speculative "
+                              f"method is {self.engine.method!r}, {proposers}); use one of {choices}",
+                         param="speculative")
+
     def sampling_params(self, request: p._SamplingRequest, **fields) -> SamplingParams:
         if request.logit_bias:
             raise p.APIError(400, "logit_bias is not supported", param="logit_bias")
         if request.stream_options is not None and not request.stream:
             raise p.APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if request.speculative is not None:
+            self.check_speculative_method(request.speculative.method)
         try:
             return SamplingParams(**fields, **request.sampling_kwargs())
         except ValueError as exc:

@@ -2,9 +2,11 @@
 
 Requests ignore unknown fields (load generators send extra ones) but validate the known ones
 strictly: no bool for a number, no string for a number or a bool (an int is still a float), and
-enums (a message's role) are Literals. Responses are built as plain
-dicts: they are written once and never validated. Every error, FastAPI's own included, leaves as
-{"error": {"message", "type", "param", "code"}}; invalid requests are 400, never FastAPI's 422.
+enums (a message's role) are Literals. specserve's own extension object, `speculative`, is ours
+alone: unknown keys inside it are a 400 (a misspelt option must not pass silently). Responses are
+built as plain dicts: they are written once and never validated. Every error, FastAPI's own
+included, leaves as {"error": {"message", "type", "param", "code"}}; invalid requests are 400,
+never FastAPI's 422.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.config import MAX_SPEC_TOKENS
 from engine.outputs import SpecStats, TokenLogprob
 
 logger = logging.getLogger("specserve.server")
@@ -40,6 +43,18 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class SpeculativeOptions(_Request):
+    """specserve's extension beside OpenAI's fields: `"speculative": {"method", "num_speculative_tokens"}`.
+
+    method: "auto" (the engine's controller picks among the server's proposers), "draft" or "ngram"
+    (that proposer only; the server must have it), "none" (plain decoding). num_speculative_tokens:
+    the most drafts per step for this request, 0..16 (0: plain decoding; the server's own
+    num_speculative_tokens still caps it). Either may be left out: the server's setting applies."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    method: Literal["auto", "draft", "ngram", "none"] | None = None
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_TOKENS)
 
 
 class _SamplingRequest(_Request):
@@ -63,6 +78,7 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    speculative: SpeculativeOptions | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -81,6 +97,9 @@ class _SamplingRequest(_Request):
         kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         kwargs["stop_token_ids"] = tuple(self.stop_token_ids or ())
         kwargs["ignore_eos"] = self.ignore_eos
+        if self.speculative is not None:
+            kwargs["speculative_method"] = self.speculative.method
+            kwargs["num_speculative_tokens"] = self.speculative.num_speculative_tokens
         return kwargs
 
 
@@ -141,12 +160,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def speculative(stats: list[SpecStats], discarded: int = 0) -> dict[str, int]:
+def speculative(stats: list[SpecStats], discarded: int = 0) -> dict[str, Any]:
     """specserve's own counters, summed over the choices; never inside OpenAI's objects. `discarded`:
     tokens generated but not returned (after a stop string). Per choice with at least one token,
-    completion tokens + discarded = 1 + accepted + target_forwards (see engine.outputs.SpecStats)."""
+    completion tokens + discarded = 1 + accepted + target_forwards (see engine.outputs.SpecStats).
+
+    How speculation ran: `methods` {proposer: decode passes} ("none": passes that verified no draft)
+    and `k` {"<drafts verified>": decode passes} (JSON keys are strings; ascending k). Both count
+    decode passes only: their totals are equal, and at most target_forwards (which also counts the
+    recomputation pass after a preemption)."""
+    methods: dict[str, int] = {}
+    ks: dict[int, int] = {}
+    for s in stats:
+        for method, n in s.passes_by_method.items():
+            methods[method] = methods.get(method, 0) + n
+        for k, n in s.passes_by_k.items():
+            ks[k] = ks.get(k, 0) + n
     return {"proposed": sum(s.proposed for s in stats), "accepted": sum(s.accepted for s in stats),
-            "target_forwards": sum(s.target_forwards for s in stats), "discarded": discarded}
+            "target_forwards": sum(s.target_forwards for s in stats), "discarded": discarded,
+            "methods": dict(sorted(methods.items())), "k": {str(k): ks[k] for k in sorted(ks)}}
 
 
 def sse(payload: dict[str, Any] | str) -> str:

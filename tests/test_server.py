@@ -672,4 +672,5 @@ def test_eos_inside_an_accepted_run_over_http(scripted_server):
         events = sse_events(r)
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == SCRIPT
     assert events[-2]["usage"]["completion_tokens"] == 13
-    assert events[-2]["speculative"] == {"proposed": 12, "accepted": 9, "target_forwards": 3, "discarded": 0}
+    assert events[-2]["speculative"] == {"proposed": 12, "accepted": 9, "target_forwards": 3, "discarded": 0,
+                                         "methods": {"draft": 3}, "k": {"4": 3}}

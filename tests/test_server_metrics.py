@@ -86,6 +86,15 @@ def test_counters_agree_with_responses(server):
     # usage counts a prompt once per request; the engine prefills it once per choice
     assert total(metrics, "specserve:prompt_tokens") == sum(usage.prompt_tokens * n for usage, _, n in reported)
     assert total(metrics, "specserve:request_success") == choices
+    # how speculation ran: the chosen-k histogram is the responses' k histograms summed (decode
+    # passes), the per-proposer counters split the totals (the served CLI passes its proposers)
+    chosen = metrics["specserve:spec_decode_chosen_k"]
+    passes = sum(sum(spec["k"].values()) for _, spec, _ in reported)
+    assert sum(v for (name, _), v in chosen.items() if name.endswith("_count")) == passes > 0
+    assert sum(v for (name, _), v in chosen.items() if name.endswith("_sum")) == proposed
+    assert passes == sum(spec["methods"].get("draft", 0) + spec["methods"].get("none", 0) for _, spec, _ in reported)
+    assert total(metrics, "specserve:spec_decode_num_draft_tokens_by_proposer") == proposed
+    assert total(metrics, "specserve:spec_decode_num_accepted_tokens_by_proposer") == accepted
     per_position = metrics["specserve:spec_decode_num_accepted_tokens_per_pos"]
     assert sum(per_position.values()) == accepted
     rate = metrics["specserve:spec_decode_acceptance_rate"]
