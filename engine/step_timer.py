@@ -97,10 +97,11 @@ class StepCostModel:
     def observe_pass(self, num_tokens: int, seconds: float, with_drafts: bool) -> None:
         (self.target if with_drafts else self.plain).observe(num_tokens, seconds)
 
-    def step_time(self, num_tokens: int, draft_rows: list[int]) -> float:
-        """num_tokens fed to the target; draft_rows: rows of each sequential draft forward (none:
-        a plain step)."""
-        if not draft_rows and self.plain.ready:
+    def step_time(self, num_tokens: int, draft_rows: list[int], verifying: bool | None = None) -> float:
+        """num_tokens fed to the target; draft_rows: rows of each sequential draft forward;
+        verifying: whether the pass verifies drafts (default: whether a draft model ran)."""
+        verifying = bool(draft_rows) if verifying is None else verifying
+        if not verifying and self.plain.ready:
             return self.plain(num_tokens)
         return self.target(num_tokens) + sum(self.draft(rows) for rows in draft_rows)
 

@@ -101,7 +101,11 @@ class SpecController:
         """candidates: per decoding request (request id, {method: most drafts it can take now},
         {method: tokens that method must catch up on first}). Returns a Plan per request id."""
         if not self.adaptive:
-            return {rid: self._static(caps) for rid, caps, _ in candidates}
+            plans = {rid: self._static(caps) for rid, caps, _ in candidates}
+            self.last_predicted_time = self.predicted_time(
+                len(candidates) + num_prefill_tokens, {rid: p.k for rid, p in plans.items() if p.k},
+                {rid: p.method for rid, p in plans.items()}, {rid: lag for rid, _, lag in candidates})
+            return plans
         self.num_plans += 1
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens, [])
@@ -177,7 +181,7 @@ class SpecController:
             if self._is_model(methods[rid]):
                 for j in range(k):
                     rows[j] = rows.get(j, 0) + 1 + (lags[rid].get(methods[rid], 0) if j == 0 else 0)
-        return self.costs.step_time(base_tokens + sum(ks.values()), [rows[j] for j in sorted(rows)])
+        return self.costs.step_time(base_tokens + sum(ks.values()), [rows[j] for j in sorted(rows)], bool(ks))
 
     def _finish(self, rid: str, caps: dict[str, int], method: str | None, k: int, marginal_gain: float) -> Plan:
         state = self.states.setdefault(rid, RequestSpecState())

@@ -65,7 +65,8 @@ class DraftModelProposer:
         requests = [item.request for item in items]
         params = [self._draft_params(r.params) for r in requests]
         rows = sum(self.catch_up_tokens(item.request) for item in items) + len(items)   # tokens this forward feeds
-        logits = self._timed(rows, lambda: self._fit_vocab(self._catch_up(items)))
+        started = time.perf_counter()
+        logits = self._fit_vocab(self._catch_up(items))
         draft_probs = logits.new_zeros(len(items), max_k, logits.shape[-1])
         confidence = [1.0] * len(items)
         active = list(range(len(items)))
@@ -79,25 +80,21 @@ class DraftModelProposer:
             # one-hot) the draft's own softmax.
             sure = torch.where(tensors.is_greedy.unsqueeze(1), logits.float().softmax(dim=-1), probs)
             own = sure.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-            for row, a in enumerate(active):
-                drafts[a].append(int(tokens[row]))
-                draft_probs[a, step] = probs[row]
+            draft_probs[torch.tensor(active, device=probs.device), step] = probs
+            for row, (a, token) in enumerate(zip(active, tokens.tolist())):
+                drafts[a].append(token)
                 confidence[a] *= own[row]
+            self._observe(rows, started)   # a draft step: the forward and its sampling
             active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min]
             if not active:
                 break
-            logits = self._timed(len(active), lambda: self._fit_vocab(
-                self._feed_drafts([items[a] for a in active], [drafts[a] for a in active])))
+            rows, started = len(active), time.perf_counter()
+            logits = self._fit_vocab(self._feed_drafts([items[a] for a in active], [drafts[a] for a in active]))
         return Proposal(drafts, draft_probs)
 
-    def _timed(self, rows: int, forward):
-        start = time.perf_counter()
-        logits = forward()
-        if self.on_forward is not None:
-            if logits.is_cuda:
-                torch.cuda.synchronize(logits.device)
-            self.on_forward(rows, time.perf_counter() - start)
-        return logits
+    def _observe(self, rows: int, started: float) -> None:
+        if self.on_forward is not None:   # the .tolist() calls above waited for the device
+            self.on_forward(rows, time.perf_counter() - started)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, draft_vocab] -> [n, target_vocab]: embedding tables padded to different sizes
