@@ -188,13 +188,13 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
 
     if max_batch < 1:
         return
-    costs.target.observe(2, target_pass(1, 1))
+    costs.target.calibrate(2, target_pass(1, 1))
     batch = 1
     while batch <= max_batch:
         seconds = target_pass(batch, 0)
         timer.seconds[batch] = seconds
-        costs.plain.observe(batch, seconds)
-        costs.target.observe(batch * (gamma + 1), target_pass(batch, gamma))
+        costs.plain.calibrate(batch, seconds)
+        costs.target.calibrate(batch * (gamma + 1), target_pass(batch, gamma))
         batch *= 2
     if draft is not None:
         batch = 1

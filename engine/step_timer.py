@@ -56,9 +56,23 @@ class CostCurve:
         self.seconds: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
+        """Move the bucket's estimate towards one timing. A bucket seen for the first time starts
+        from the curve's current value there (a new shape's first pass is often slow: kernel
+        creation, allocation), and one timing moves an estimate by at most half of it, so a
+        stall never sets the curve."""
         b = PlainStepTimer.bucket(rows)
         old = self.seconds.get(b)
-        self.seconds[b] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if old is None:
+            if not self.seconds:
+                self.seconds[b] = seconds
+                return
+            old = self(b)
+        seconds = min(seconds, 1.5 * old)
+        self.seconds[b] = old + self.smoothing * (seconds - old)
+
+    def calibrate(self, rows: int, seconds: float) -> None:
+        """Set a bucket from a start-up measurement (the fastest of several passes)."""
+        self.seconds[PlainStepTimer.bucket(rows)] = seconds
 
     def __call__(self, rows: int) -> float:
         if rows <= 0 or not self.seconds:

@@ -18,9 +18,9 @@ def costs(verify_slope: float, draft_forward: float = 0.004) -> StepCostModel:
     """A target pass of 30 ms plus verify_slope per extra token; draft forwards of draft_forward."""
     model = StepCostModel()
     for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-        model.target.observe(tokens, 0.030 + verify_slope * (tokens - 1))
+        model.target.calibrate(tokens, 0.030 + verify_slope * (tokens - 1))
     for rows in (1, 4, 16, 64, 256):
-        model.draft.observe(rows, draft_forward * (1 + rows / 64))
+        model.draft.calibrate(rows, draft_forward * (1 + rows / 64))
     return model
 
 
@@ -203,11 +203,11 @@ def test_a_costly_verification_shape_keeps_plain_decoding():
     must clear that jump, so moderate acceptance stays plain and high acceptance still drafts."""
     model = StepCostModel()
     for rows in (1, 4, 16, 64):
-        model.draft.observe(rows, 0.004 * (1 + rows / 64))
+        model.draft.calibrate(rows, 0.004 * (1 + rows / 64))
     for tokens in (1, 2, 4, 8, 16, 32, 64):
-        model.plain.observe(tokens, 0.030 + 0.0005 * (tokens - 1))
+        model.plain.calibrate(tokens, 0.030 + 0.0005 * (tokens - 1))
     for tokens in (2, 4, 8, 16, 32, 64, 128, 256):
-        model.target.observe(tokens, 0.045 + 0.0005 * (tokens - 1))   # +15 ms for the verification shape
+        model.target.calibrate(tokens, 0.045 + 0.0005 * (tokens - 1))   # +15 ms for the verification shape
     moderate = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.4})
     assert set(plan_k(moderate, 4)) == {("none", 0)}
     high = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.95})

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from engine.step_timer import StepCostModel
 
-PRIOR_WEIGHT = 1.0        # pseudo-observations of the engine-wide rate behind each request's estimate
+PRIOR_WEIGHT = 2.0        # pseudo-observations of the engine-wide rate behind each request's estimate
 REQUEST_DECAY = 0.85      # per observation: a request's counts forget with a half-life of ~4 steps
 GLOBAL_DECAY = 0.98       # the engine-wide rate: half-life ~35 observations (of any request)
 PROBE_INTERVAL = 8        # steps of k = 0 before a probe; doubles after each failed probe ...
