@@ -14,7 +14,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   Marginal gains fall with k and the bar (the step's current tokens per second) rises with the
   batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff.
 - A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, at
-  intervals that double while probes fail and shrink to every step once one succeeds, on steps that are multiples of the interval so that
+  intervals that double while probes fail and shrink to every step once one succeeds, at most one
+  request in eight per step, on steps that are multiples of the interval so that
   requests probe together and share the draft forward), so it notices when acceptance comes back.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
@@ -33,6 +34,7 @@ REQUEST_DECAY = 0.85      # per observation: a request's counts forget with a ha
 GLOBAL_DECAY = 0.98       # the engine-wide rate: half-life ~35 observations (of any request)
 PROBE_INTERVAL = 8        # steps of k = 0 before a probe; doubles after each failed probe ...
 MAX_PROBE_INTERVAL = 16   # ... up to this
+PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class SpecController:
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
         self.num_plans = 0   # steps planned: probes fall on shared steps, so they share draft forwards
+        self._probes_left = 0
 
     # ---- estimates ---------------------------------------------------------------
     def acceptance(self, request_id: str, method: str) -> float:
@@ -107,6 +110,7 @@ class SpecController:
                 {rid: p.method for rid, p in plans.items()}, {rid: lag for rid, _, lag in candidates})
             return plans
         self.num_plans += 1
+        self._probes_left = -(-len(candidates) // PROBES_PER_REQUESTS)
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens, [])
         # Plan as if the pass verifies drafts (its shape costs more than a plain pass of as many
@@ -201,8 +205,9 @@ class SpecController:
         usable = [m for m in self.methods if caps.get(m, 0) > 0]
         # Due, and on a step that is a multiple of the interval: requests due together probe together.
         aligned = self.num_plans % min(state.probe_interval, PROBE_INTERVAL) == 0
-        if not usable or state.steps_since_draft + 1 < state.probe_interval or not aligned:
+        if not usable or state.steps_since_draft + 1 < state.probe_interval or not aligned or self._probes_left <= 0:
             return None
+        self._probes_left -= 1
         method = max(usable, key=lambda m: self.acceptance(rid, m))
         state.steps_since_draft = 0
         return Plan(method, 1, 0.0)
