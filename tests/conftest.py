@@ -115,6 +115,17 @@ class InProcessServer:
         self.thread.join(15)
 
 
+def sse_events(response) -> list:
+    """The `data:` payloads of a streamed response (an httpx.Response), JSON-decoded; "[DONE]" as is."""
+    import json
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.gpu` tests need CUDA: skip them, with the reason, where there is none."""
     import torch

@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import InProcessServer, ServerProcess
+from conftest import InProcessServer, ServerProcess, sse_events
 
 MODEL = "tiny"
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "64"]
@@ -134,13 +134,6 @@ def assert_error(response: httpx.Response, status: int, param=None, code=None) -
     return error
 
 
-def sse_events(response: httpx.Response) -> list:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 # ---- tokenizer units (no server) -----------------------------------------------------------------

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import InProcessServer
+from conftest import InProcessServer, sse_events
 
 MODEL = "tiny"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -86,14 +86,6 @@ def assert_accounting(body: dict, num_choices: int | None = None) -> dict:
     return spec
 
 
-def sse_events(response: httpx.Response) -> list:
-    import json
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def assert_400(response: httpx.Response, field: str) -> str:
