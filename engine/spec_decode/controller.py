@@ -15,7 +15,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff.
 - A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, at
   intervals that double while probes fail and shrink to every step once one succeeds, at most one
-  request in eight per step, on steps that are multiples of the interval so that
+  request in eight per step, with a free proposer when there is one (a draft model only when it has
+  little to catch up), on steps that are multiples of the interval so that
   requests probe together and share the draft forward), so it notices when acceptance comes back.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
@@ -35,6 +36,7 @@ GLOBAL_DECAY = 0.98       # the engine-wide rate: half-life ~35 observations (of
 PROBE_INTERVAL = 8        # steps of k = 0 before a probe; doubles after each failed probe ...
 MAX_PROBE_INTERVAL = 16   # ... up to this
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
+MAX_PROBE_CATCH_UP = 32   # a draft model probes a request only if it has at most this many tokens to catch up
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,8 @@ class SpecController:
         if ks and expected / time < len(candidates) / plain_time:   # the exact costs say plain is better
             ks, time = {}, plain_time
         self.last_predicted_time = time
-        return {rid: self._finish(rid, caps, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0))
-                for rid, caps, _ in candidates}
+        return {rid: self._finish(rid, caps, lag, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0))
+                for rid, caps, lag in candidates}
 
     def _choose_method(self, rid: str, caps: dict[str, int], lag: dict[str, int], batch: int,
                        base_time: float, per_token: float) -> str | None:
@@ -187,10 +189,11 @@ class SpecController:
                     rows[j] = rows.get(j, 0) + 1 + (lags[rid].get(methods[rid], 0) if j == 0 else 0)
         return self.costs.step_time(base_tokens + sum(ks.values()), [rows[j] for j in sorted(rows)], bool(ks))
 
-    def _finish(self, rid: str, caps: dict[str, int], method: str | None, k: int, marginal_gain: float) -> Plan:
+    def _finish(self, rid: str, caps: dict[str, int], lag: dict[str, int], method: str | None, k: int,
+                marginal_gain: float) -> Plan:
         state = self.states.setdefault(rid, RequestSpecState())
         if k == 0:
-            probe = self._probe(rid, caps, state)
+            probe = self._probe(rid, caps, lag, state)
             if probe is not None:
                 return probe
             state.steps_since_draft += 1
@@ -201,8 +204,13 @@ class SpecController:
         p_min = self.draft_p_min if self.draft_p_min is not None else 0.5 * marginal_gain
         return Plan(method, k, p_min)
 
-    def _probe(self, rid: str, caps: dict[str, int], state: RequestSpecState) -> Plan | None:
-        usable = [m for m in self.methods if caps.get(m, 0) > 0]
+    def _probe(self, rid: str, caps: dict[str, int], lag: dict[str, int], state: RequestSpecState) -> Plan | None:
+        # A free proposer probes first; a draft model only if it is nearly caught up (a probe that
+        # first feeds it the whole prompt costs a prefill).
+        usable = [m for m in self.methods if caps.get(m, 0) > 0
+                  and (not self._is_model(m) or lag.get(m, 0) <= MAX_PROBE_CATCH_UP)]
+        free = [m for m in usable if not self._is_model(m)]
+        usable = free or usable
         # Due, and on a step that is a multiple of the interval: requests due together probe together.
         aligned = self.num_plans % min(state.probe_interval, PROBE_INTERVAL) == 0
         if not usable or state.steps_since_draft + 1 < state.probe_interval or not aligned or self._probes_left <= 0:
