@@ -297,12 +297,13 @@ def sample(probs: Tensor, is_greedy: Tensor, generators: list[torch.Generator | 
     their own generator (None: global RNG)."""
     tokens = probs.argmax(dim=-1)
     given = noise or [None] * len(probs)
-    sampled_rows = [i for i, greedy in enumerate(is_greedy.tolist()) if not greedy and given[i] is None]
+    sampled = [not greedy for greedy in is_greedy.tolist()]
+    sampled_rows = [i for i, s in enumerate(sampled) if s and given[i] is None]
     if sampled_rows:
         index = torch.tensor(sampled_rows, dtype=torch.long, device=probs.device)
         drawn = draw_exponentials([generators[i] for i in sampled_rows], probs.shape[-1], probs.device)
         tokens[index] = exponential_race(probs[index], drawn)   # not index_select: slow on wide rows
-    coupled = [i for i, greedy in enumerate(is_greedy.tolist()) if not greedy and given[i] is not None]
+    coupled = [i for i, s in enumerate(sampled) if s and given[i] is not None]
     if coupled:
         index = torch.tensor(coupled, dtype=torch.long, device=probs.device)
         tokens[index] = exponential_race(probs[index], torch.stack([given[i] for i in coupled]))

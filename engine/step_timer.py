@@ -1,15 +1,13 @@
-"""How long a plain (non-speculative) decode step takes at a given batch size.
+"""How long engine steps take.
 
-The speedup estimate needs the cost of the steps speculation replaces. The
-engine times plain decode forwards at start-up for batch sizes 1, 2, 4, ...
-(calibration) and keeps refining the figures with an exponential moving
-average whenever a real step runs without drafts.
+PlainStepTimer: a plain (non-speculative) decode step at a given batch size, for the speedup
+estimate (the cost of the steps speculation replaces). StepCostModel: the target pass and draft
+forwards by size, for the controller's plan. The engine times both at start-up (engine.setup) and
+keeps refining them with moving averages from the steps it runs.
 """
 from __future__ import annotations
 
 import math
-import time
-from typing import Callable
 
 
 class PlainStepTimer:
@@ -33,17 +31,6 @@ class PlainStepTimer:
         b = self.bucket(batch_size)
         above = [k for k in self.seconds if k >= b]
         return self.seconds[min(above)] if above else self.seconds[max(self.seconds)] * b / max(self.seconds)
-
-    def calibrate(self, run_decode_step: Callable[[int], None], max_batch: int, repeats: int = 3) -> None:
-        """Time run_decode_step(batch) for batch = 1, 2, 4, ... up to max_batch (first call is warm-up)."""
-        batch = 1
-        while batch <= max_batch:
-            run_decode_step(batch)
-            start = time.perf_counter()
-            for _ in range(repeats):
-                run_decode_step(batch)
-            self.seconds[batch] = (time.perf_counter() - start) / repeats
-            batch *= 2
 
 
 class CostCurve:

@@ -106,9 +106,9 @@ def _coupled_choice(requests, target_probs: torch.Tensor) -> torch.Tensor | None
     rows = target_probs.shape[1]
     noise = torch.stack([torch.stack([requests[b].noise.at(requests[b].num_output_tokens + j) for j in range(rows)])
                          for b in coupled])                                    # [C, K+1, V]
+    index = torch.tensor(coupled, device=target_probs.device)
     choice = torch.full(target_probs.shape[:2], -1, dtype=torch.long, device=target_probs.device)
-    choice[torch.tensor(coupled, device=target_probs.device)] = exponential_race(
-        target_probs[torch.tensor(coupled, device=target_probs.device)], noise)
+    choice[index] = exponential_race(target_probs[index], noise)
     return choice
 
 

@@ -142,6 +142,24 @@ def train_bpe_tokenizer(files: list[Path], out_dir: Path, vocab_size: int, model
     return tok
 
 
+def pooled_chisquare(observed, probs) -> float:
+    """Pearson's test of counts against exact probabilities (arrays of any one shape), the cells of
+    expected count < 5 pooled into one; 0 if a cell of probability 0 was observed."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    observed, probs = np.ravel(observed), np.ravel(probs)
+    if observed[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * observed.sum()
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
 def make_noisy_copy(source, path, noise: float, seed: int = 0) -> Path:
     """Copy a checkpoint directory with Gaussian noise (noise x each tensor's std) added to every
     weight: a draft of the same tokenizer whose acceptance is between a copy's (1.0) and a random

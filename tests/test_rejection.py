@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from helpers import pooled_chisquare
 
 from engine.sampler import sample
 from engine.spec_decode.rejection import rejection_sample
@@ -291,18 +291,6 @@ def chi_square_pvalues(target: torch.Tensor, tokens: torch.Tensor) -> tuple[floa
     flat = (tokens[:, 0] * VOCAB * VOCAB + tokens[:, 1] * VOCAB + tokens[:, 2]).numpy()
     observed_joint = np.bincount(flat, minlength=VOCAB**3)
     return pooled_chisquare(observed_first, first), pooled_chisquare(observed_joint, joint.flatten())
-
-
-def pooled_chisquare(observed: np.ndarray, probs: np.ndarray) -> float:
-    if observed[probs == 0].sum() > 0:
-        return 0.0  # emitted a sequence the target gives probability 0
-    expected = probs * observed.sum()
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
 def always_accept(target_probs, drafts, num_draft, draft_probs, is_greedy, generators):

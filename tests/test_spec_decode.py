@@ -6,8 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import make_tiny_checkpoint
-from scipy.stats import chisquare
+from helpers import make_tiny_checkpoint, pooled_chisquare
 
 import engine.verify
 from engine import SamplingParams
@@ -337,30 +336,15 @@ def sample_sequences(target: str, spec: dict, prompt, params, num: int, seeded: 
     return counts, engine.totals.acceptance_rate
 
 
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson's test with cells of expected count < 5 pooled into one; 0 if a sequence of
-    probability 0 was emitted."""
-    expected = probs.ravel() * counts.sum()
-    observed = counts.ravel()
-    if observed[probs.ravel() == 0].sum() > 0:
-        return 0.0
-    small = expected < 5
-    exp = np.append(expected[~small], expected[small].sum())
-    obs = np.append(observed[~small], observed[small].sum())
-    if exp[-1] == 0:
-        exp, obs = exp[:-1], obs[:-1]
-    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-
-
 def position_pvalues(counts: np.ndarray, probs: np.ndarray) -> dict[str, float]:
     """p-values of each position's marginal and of each consecutive pair's joint."""
     out = {}
     for j in range(5):
         others = tuple(a for a in range(5) if a != j)
-        out[f"t{j + 1}"] = chi_square_pvalue(counts.sum(others), probs.sum(others))
+        out[f"t{j + 1}"] = pooled_chisquare(counts.sum(others), probs.sum(others))
     for j in range(4):
         others = tuple(a for a in range(5) if a not in (j, j + 1))
-        out[f"t{j + 1}t{j + 2}"] = chi_square_pvalue(counts.sum(others), probs.sum(others))
+        out[f"t{j + 1}t{j + 2}"] = pooled_chisquare(counts.sum(others), probs.sum(others))
     return out
 
 

@@ -230,7 +230,6 @@ class SpecController:
     def _is_model(method: str) -> bool:
         return method == "draft"
 
-
     # ---- feedback -------------------------------------------------------------------
     def observe(self, request_id: str, method: str, num_drafted: int, num_accepted: int) -> None:
         """What verification made of a request's drafts this step."""
