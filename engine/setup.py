@@ -112,7 +112,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "draft" in spec.proposers:
         proposers["draft"] = DraftModelProposer(
             ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
-            hf_config.vocab_size, spec.draft_temperature, on_forward=costs.draft.observe)
+            hf_config.vocab_size, spec.draft_temperature, on_forward=costs.observe_draft)
     if "ngram" in spec.proposers:
         proposers["ngram"] = NgramProposer(spec.ngram_min, spec.ngram_max)
     router = Router(proposers, hf_config.vocab_size)
@@ -202,7 +202,7 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
             scheduled = requests(batch)
             items = [ScheduledRequest.of(r, 1, 1, "draft") for r in scheduled]
             for _ in range(3):
-                draft.propose(items)   # times itself into costs.draft
+                draft.propose(items)   # times itself into costs (the first call: catching up the context)
             for r in scheduled:
                 draft.on_finish(r.request_id)
             release(scheduled)

@@ -85,26 +85,45 @@ class CostCurve:
 
 class StepCostModel:
     """Predicted time of one engine step: the target pass as a function of the tokens in it, plus
-    each draft-model forward as a function of its rows. A pass that verifies drafts and a plain
-    decode pass of as many tokens cost differently (multi-token queries take the prefill kernels),
-    so there are two target curves: `plain` (steps without drafts) and `target` (steps with). The
-    engine calibrates all three at start-up and refines them from every step and draft forward."""
+    each draft-model forward as a function of its rows (one row per drafting request), plus the
+    tokens a draft model catches up on in its first forward. A pass that verifies drafts and a plain
+    decode pass of as many tokens cost differently (multi-token queries take other matmul and
+    attention kernels), so there are two target curves: `plain` (steps without drafts) and `target`
+    (steps with). Catch-up tokens cost less than rows (no logits: a shallow draft's cost is mostly
+    its LM head), so they have their own per-token price. The engine calibrates all of these at
+    start-up and refines them from every step and draft forward."""
 
-    def __init__(self):
-        self.plain = CostCurve()
-        self.target = CostCurve()
-        self.draft = CostCurve()
+    def __init__(self, smoothing: float = 0.2):
+        self.plain = CostCurve(smoothing)
+        self.target = CostCurve(smoothing)
+        self.draft = CostCurve(smoothing)
+        self.catch_up_token = 0.0   # seconds per token a draft forward feeds beyond its rows
+        self.smoothing = smoothing
 
     def observe_pass(self, num_tokens: int, seconds: float, with_drafts: bool) -> None:
         (self.target if with_drafts else self.plain).observe(num_tokens, seconds)
 
-    def step_time(self, num_tokens: int, draft_rows: list[int], verifying: bool | None = None) -> float:
-        """num_tokens fed to the target; draft_rows: rows of each sequential draft forward;
-        verifying: whether the pass verifies drafts (default: whether a draft model ran)."""
+    def observe_draft(self, rows: int, seconds: float, catch_up: int = 0) -> None:
+        """One draft forward: `rows` requests, feeding `catch_up` tokens besides their last ones.
+        A forward with little catch-up times the rows; one with much prices the catch-up tokens."""
+        if catch_up < max(8, rows):
+            self.draft.observe(rows, seconds)
+            return
+        if not self.draft.ready:
+            return   # nothing yet to tell the rows' share from the catch-up's
+        price = max(0.0, seconds - self.draft(rows)) / catch_up
+        self.catch_up_token += self.smoothing * (price - self.catch_up_token) if self.catch_up_token else price
+
+    def step_time(self, num_tokens: int, draft_rows: list[int], verifying: bool | None = None,
+                  catch_up: int = 0) -> float:
+        """num_tokens fed to the target; draft_rows: rows of each sequential draft forward (the
+        first also catches up `catch_up` tokens); verifying: whether the pass verifies drafts
+        (default: whether a draft model ran)."""
         verifying = bool(draft_rows) if verifying is None else verifying
         if not verifying and self.plain.ready:
             return self.plain(num_tokens)
-        return self.target(num_tokens) + sum(self.draft(rows) for rows in draft_rows)
+        drafting = sum(self.draft(rows) for rows in draft_rows)
+        return self.target(num_tokens) + drafting + (self.catch_up_token * catch_up if draft_rows else 0.0)
 
     def verify_time(self, num_tokens: int) -> float:
         """The target pass alone, shaped as a verification (drafts, from any proposer)."""
@@ -112,6 +131,9 @@ class StepCostModel:
 
     def draft_forward(self, rows: int) -> float:
         return self.draft(rows)
+
+    def catch_up(self, tokens: int) -> float:
+        return self.catch_up_token * tokens
 
     def per_token(self, num_tokens: int) -> float:
         """Marginal cost of one more token in a verification pass of num_tokens: the slope over the

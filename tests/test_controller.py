@@ -39,14 +39,19 @@ def with_history(controller: SpecController, alphas: dict[str, float], steps: in
 
 
 def plan_k(controller: SpecController, batch: int, methods=("draft",)) -> list[tuple[str, int]]:
+    """(method, k) per request, probes left out ("none", 0): new requests probe at once."""
     candidates = [(f"r{i}", {m: MAX_K for m in methods}, {m: 0 for m in methods}) for i in range(batch)]
-    return [(p.method, p.k) for p in controller.plan(candidates).values()]
+    plans = controller.plan(candidates).values()
+    plan_k.probes = [p for p in plans if p.probe]
+    return [("none", 0) if p.probe else (p.method, p.k) for p in plans]
 
 
 def test_low_acceptance_plans_no_drafts():
     controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005)), {"draft": 0.05})
     for batch in (1, 4, 16):
         assert set(plan_k(controller, batch)) == {("none", 0)}
+        # only probes draft: new requests, at most one in eight per step, one token each
+        assert 1 <= len(plan_k.probes) <= -(-batch // 8) and {p.k for p in plan_k.probes} == {1}
 
 
 def test_high_acceptance_and_cheap_verification_plan_the_maximum():
@@ -212,3 +217,38 @@ def test_a_costly_verification_shape_keeps_plain_decoding():
     assert set(plan_k(moderate, 4)) == {("none", 0)}
     high = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.95})
     assert all(k >= 3 for _, k in plan_k(high, 4))
+
+
+def test_catch_up_is_priced_once_per_request():
+    """A draft model that must first catch up on many tokens costs that once, on the request's
+    first draft token: high acceptance still drafts several tokens, and the catch-up price comes
+    from draft forwards the cost model saw (rows apart from catch-up tokens)."""
+    model = costs(0.0003)
+    model.observe_draft(1, 0.004 + 64 * 0.0001, catch_up=64)   # 0.1 ms per caught-up token
+    assert model.catch_up(100) == pytest.approx(0.01, rel=0.05)
+    controller = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.9})
+    controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])   # no longer new: no first probe
+    lagging = controller.plan([("r", {"draft": MAX_K}, {"draft": 100})])["r"]
+    caught_up = controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"]
+    assert lagging.k >= 3 and caught_up.k >= 3
+    # a catch-up that costs more than all the drafts could win keeps plain decoding
+    model.catch_up_token = 0.05
+    assert controller.plan([("r", {"draft": MAX_K}, {"draft": 100})])["r"].k <= 1
+
+
+def test_failed_probes_cost_at_most_the_exploration_budget():
+    """Acceptance 0: every probe fails. Over 400 steps the probes' extra time stays within
+    EXPLORATION of the plain decoding time (plus the first probe and the saved-up credit)."""
+    from engine.spec_decode.controller import EXPLORATION, MAX_CREDIT_STEPS
+    model = costs(0.0003)
+    controller = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.0})
+    probes = 0
+    for _ in range(400):
+        plan = controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"]
+        assert plan.k == 0 or plan.probe
+        if plan.probe:
+            probes += 1
+            controller.observe("r", "draft", 1, 0)
+    plain = model.step_time(1, [])
+    extra = model.verify_time(2) - model.verify_time(1) + model.draft_forward(1)
+    assert 2 <= probes and probes * extra <= EXPLORATION * 400 * plain + extra + MAX_CREDIT_STEPS * plain

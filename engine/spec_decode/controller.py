@@ -3,21 +3,27 @@
 The goal is the batch's goodput, expected output tokens per second of the step:
 
 - Expected tokens of k drafts from proposer m for request r are 1 + a + a^2 + ... + a^k, where a is
-  the request's acceptance rate per judged draft token with m: decayed counts (recent steps weigh
-  most, so a shift in the workload shows within a few steps), shrunk towards the engine-wide rate of
-  m. One rate for every position: when acceptance collapses, it collapses at every position at once.
+  the request's acceptance rate per judged draft token with m: counts that forget per judged token
+  (recent tokens weigh most, so a shift in the workload shows within a few steps, and a step that
+  judged eight drafts does not outweigh eight steps that judged one), shrunk towards the engine-wide
+  rate of m. One rate for every position: when acceptance collapses, it collapses at every position
+  at once.
 - Step time is StepCostModel.step_time: the target pass as a function of its tokens, plus every
-  draft-model forward as a function of its rows (the first one also catches up the tokens the
-  draft has not seen). The engine measures both online.
+  draft-model forward as a function of its rows, plus the tokens the draft has not seen yet, which
+  its first forward catches up on. The engine measures all of it online.
 - The plan starts from plain decoding (k = 0 everywhere) and adds, one at a time, the draft token
-  with the most expected tokens per added second, while that raises the step's tokens per second.
+  with the most expected tokens per added second, while that raises the step's tokens per second
+  (a request's first tokens are ranked together when its catch-up makes one alone not worth it).
   Marginal gains fall with k and the bar (the step's current tokens per second) rises with the
   batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff.
-- A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, at
-  intervals that double while probes fail and shrink to every step once one succeeds, at most one
-  request in eight per step, with a free proposer when there is one (a draft model only when it has
-  little to catch up), on steps that are multiples of the interval so that
-  requests probe together and share the draft forward), so it notices when acceptance comes back.
+- A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, a free
+  one when there is one, else the draft model, its catch-up priced in), so it notices when
+  acceptance comes back. Probing is paid from an exploration budget: each step adds EXPLORATION of
+  the request's share of a plain step; a probe is charged its net cost (its extra time, less the
+  plain-decoding time of the tokens it won). Failed probes can never cost more than EXPLORATION of
+  plain decoding; probes that win pay for themselves, so once acceptance is back they run every
+  step until the plan drafts again. A request without history of its own gets one probe at once.
+  At most one request in eight probes in a step.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
   needed (or `draft_p_min`, when configured).
@@ -31,12 +37,11 @@ from dataclasses import dataclass, field
 from engine.step_timer import StepCostModel
 
 PRIOR_WEIGHT = 2.0        # pseudo-observations of the engine-wide rate behind each request's estimate
-REQUEST_DECAY = 0.85      # per observation: a request's counts forget with a half-life of ~4 steps
-GLOBAL_DECAY = 0.98       # the engine-wide rate: half-life ~35 observations (of any request)
-PROBE_INTERVAL = 8        # steps of k = 0 before a probe; doubles after each failed probe ...
-MAX_PROBE_INTERVAL = 16   # ... up to this
+REQUEST_DECAY = 0.93      # per judged draft token: a request remembers ~14 tokens (half-life ~10)
+GLOBAL_DECAY = 0.995      # per judged draft token (of any request): the engine-wide rate, half-life ~140
+EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
-MAX_PROBE_CATCH_UP = 32   # a draft model probes a request only if it has at most this many tokens to catch up
+MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is capped at this many plain steps
 
 
 @dataclass(frozen=True)
@@ -44,13 +49,48 @@ class Plan:
     method: str           # proposer name; "none" when k == 0
     k: int
     p_min: float = 0.0    # confidence stop: draft while the product of q(own token) stays >= p_min
+    probe: bool = False   # drafted only to learn whether acceptance is (back) up
 
 
 NO_PLAN = Plan("none", 0)
 
 
+def _ironed(rid: str, gains: list[float], row: float, first: float) -> list[tuple[float, float, float, int, str]]:
+    """(ratio, gain, seconds, position, rid) per draft token of one request. A token comes only with
+    the ones before it, so its ratio is that of the best bundle it can join: the first tokens are
+    pooled up to the prefix with the best gain per second (which spreads the catch-up over them),
+    and no later token ranks above an earlier one."""
+    seconds = [row + (first if j == 0 else 0.0) for j in range(len(gains))]
+    total_gain = total_time = 0.0
+    pooled, best = 0, -1.0
+    for j, (gain, time) in enumerate(zip(gains, seconds)):
+        total_gain, total_time = total_gain + gain, total_time + time
+        if total_gain / max(total_time, 1e-12) > best:
+            pooled, best = j + 1, total_gain / max(total_time, 1e-12)
+    out, ratio = [], best
+    for j, (gain, time) in enumerate(zip(gains, seconds)):
+        if j >= pooled:
+            ratio = min(ratio, gain / max(time, 1e-12))
+        out.append((ratio, gain, time, j, rid))
+    return out
+
+
+@dataclass(frozen=True)
+class ProbePrices:
+    """What one probe row costs in a step, and what its tokens are worth."""
+    plain_token: float        # seconds per token of plain decoding at this batch
+    per_token: float          # one more token in the verification pass
+    shape_jump: float         # a verification-shaped pass over a plain one (charged to each probe: conservative)
+    draft_row: object         # lag tokens -> seconds of a one-row draft forward that first catches up lag
+
+    def extra(self, model_lag: int | None) -> float:
+        """Extra seconds of a probe (model_lag: the draft model's catch-up; None: a free proposer)."""
+        draft = 0.0 if model_lag is None else self.draft_row(model_lag)
+        return max(0.0, self.shape_jump) + self.per_token + draft
+
+
 class DecayedCounts:
-    """Judged and accepted draft tokens, forgetting old observations geometrically."""
+    """Judged and accepted draft tokens, forgetting old ones geometrically per judged token."""
 
     def __init__(self, decay: float):
         self.decay = decay
@@ -59,8 +99,9 @@ class DecayedCounts:
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         judged = min(num_drafted, num_accepted + 1)   # drafts past the first rejection were not judged
-        self.judged = self.decay * self.judged + judged
-        self.accepted = self.decay * self.accepted + num_accepted
+        forget = self.decay ** judged
+        self.judged = forget * self.judged + judged
+        self.accepted = forget * self.accepted + num_accepted
 
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + weight * prior) / (self.judged + weight)
@@ -70,8 +111,8 @@ class DecayedCounts:
 class RequestSpecState:
     """What the controller remembers of one request."""
     counts: dict[str, DecayedCounts] = field(default_factory=dict)
-    steps_since_draft: int = 0
-    probe_interval: int = PROBE_INTERVAL
+    credit: float | None = None    # exploration budget in seconds (None: new, due one probe at once)
+    probe: tuple[float, float] | None = None   # the probe in flight: (its extra seconds, seconds per plain token)
 
 
 class SpecController:
@@ -85,7 +126,6 @@ class SpecController:
         self.global_counts = {m: DecayedCounts(GLOBAL_DECAY) for m in self.methods}
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
-        self.num_plans = 0   # steps planned: probes fall on shared steps, so they share draft forwards
         self._probes_left = 0
 
     # ---- estimates ---------------------------------------------------------------
@@ -111,7 +151,6 @@ class SpecController:
                 len(candidates) + num_prefill_tokens, {rid: p.k for rid, p in plans.items() if p.k},
                 {rid: p.method for rid, p in plans.items()}, {rid: lag for rid, _, lag in candidates})
             return plans
-        self.num_plans += 1
         self._probes_left = -(-len(candidates) // PROBES_PER_REQUESTS)
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens, [])
@@ -121,35 +160,38 @@ class SpecController:
         per_token = self.costs.per_token(base_tokens)
         methods = {rid: self._choose_method(rid, caps, lag, len(candidates), drafting_time, per_token)
                    for rid, caps, lag in candidates}
-        model_users = [rid for rid, m in methods.items() if m is not None and self._is_model(m)]
-        lag_total = sum(lag.get(methods[rid], 0) for rid, _, lag in candidates if rid in model_users)
-        draft_row = self._draft_row_cost(len(model_users), lag_total)
-        # Every draft token of a request costs the same (a target row, plus its share of a draft
-        # forward) and its expected gain falls with k: take them best first while goodput rises.
+        model_rows = sum(1 for m in methods.values() if m is not None and self._is_model(m))
+        # Every draft token of a request costs a target row plus its share of a draft forward, and
+        # its first one also the draft model's catch-up; expected gains fall with k. Take tokens best
+        # first while goodput rises.
         increments = []
-        for rid, caps, _ in candidates:
-            method = methods[rid]
-            if method is None:
-                continue
-            seconds = per_token + (draft_row if self._is_model(method) else 0.0)
-            for gain in self.gains(rid, method, caps[method]):
-                increments.append((gain / max(seconds, 1e-9), gain, seconds, rid))
-        increments.sort(key=lambda item: -item[0])
+        for rid, caps, lag in candidates:
+            if methods[rid] is not None:
+                row, first = self._prices(methods[rid], lag, model_rows, per_token)
+                increments += _ironed(rid, self.gains(rid, methods[rid], caps[methods[rid]]), row, first)
+        increments.sort(key=lambda item: (-item[0], item[3]))
         expected, time = float(len(candidates)), drafting_time
-        ks: dict[str, int] = {}
-        bars: dict[str, float] = {}
-        for _, gain, seconds, rid in increments:
-            if (expected + gain) / (time + seconds) <= expected / time:
+        taken: dict[str, list[tuple[float, float]]] = {}
+        for ratio, gain, seconds, _, rid in increments:
+            if ratio <= expected / time:
                 break
             expected, time = expected + gain, time + seconds
-            ks[rid] = ks.get(rid, 0) + 1
-            bars[rid] = gain
+            taken.setdefault(rid, []).append((gain, seconds))
+        # A pooled bundle may end in tokens not worth their own row once the catch-up is paid.
+        for tokens in taken.values():
+            while len(tokens) > 1 and tokens[-1][0] / tokens[-1][1] <= expected / time:
+                gain, seconds = tokens.pop()
+                expected, time = expected - gain, time - seconds
+        ks = {rid: len(tokens) for rid, tokens in taken.items()}
+        bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
         time = self.predicted_time(base_tokens, ks, methods, {rid: lag for rid, _, lag in candidates}) \
             if ks else plain_time
         if ks and expected / time < len(candidates) / plain_time:   # the exact costs say plain is better
             ks, time = {}, plain_time
         self.last_predicted_time = time
-        return {rid: self._finish(rid, caps, lag, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0))
+        prices = ProbePrices(plain_time / len(candidates), per_token, drafting_time - plain_time,
+                             lambda lag: self.costs.draft_forward(1) + self.costs.catch_up(lag))
+        return {rid: self._finish(rid, caps, lag, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices)
                 for rid, caps, lag in candidates}
 
     def _choose_method(self, rid: str, caps: dict[str, int], lag: dict[str, int], batch: int,
@@ -161,64 +203,67 @@ class SpecController:
             cap = caps.get(method, 0)
             if cap <= 0:
                 continue
-            seconds = per_token + (self._draft_row_cost(batch, lag.get(method, 0) * batch)
-                                   if self._is_model(method) else 0.0)
-            expected, time = float(batch), base_time
+            row, first = self._prices(method, lag, batch, per_token)
+            expected, time = float(batch), base_time + first
             for gain in self.gains(rid, method, cap):
-                if (expected + gain) / (time + seconds) <= expected / time:
-                    break   # gains only fall from here: this method's best is behind us
-                expected, time = expected + gain, time + seconds
+                expected, time = expected + gain, time + row
                 if expected / time > best_rate:
                     best, best_rate = method, expected / time
         return best
 
-    def _draft_row_cost(self, rows: int, lag_tokens: int) -> float:
-        """Seconds per drafting request per draft position: one forward shared by `rows` requests
-        (the first one also feeds lag_tokens of catch-up)."""
-        if rows <= 0:
-            return self.costs.draft_forward(1 + lag_tokens)
-        return self.costs.draft_forward(rows + lag_tokens) / rows
+    def _prices(self, method: str, lag: dict[str, int], model_rows: int, per_token: float) -> tuple[float, float]:
+        """(seconds of each draft token, extra seconds of the first) for a request drafting with
+        method: a target row, plus for a draft model its share of forwards over model_rows requests,
+        and its catch-up on the first."""
+        if not self._is_model(method):
+            return per_token, 0.0
+        rows = max(1, model_rows)
+        return per_token + self.costs.draft_forward(rows) / rows, self.costs.catch_up(lag.get(method, 0))
 
     def predicted_time(self, base_tokens: int, ks: dict[str, int], methods: dict[str, str | None],
                        lags: dict[str, dict[str, int]]) -> float:
         """StepCostModel's time of the step this plan makes."""
         rows: dict[int, int] = {}
+        catch_up = 0
         for rid, k in ks.items():
             if self._is_model(methods[rid]):
+                catch_up += lags[rid].get(methods[rid], 0)
                 for j in range(k):
-                    rows[j] = rows.get(j, 0) + 1 + (lags[rid].get(methods[rid], 0) if j == 0 else 0)
-        return self.costs.step_time(base_tokens + sum(ks.values()), [rows[j] for j in sorted(rows)], bool(ks))
+                    rows[j] = rows.get(j, 0) + 1
+        return self.costs.step_time(base_tokens + sum(ks.values()), [rows[j] for j in sorted(rows)], bool(ks),
+                                    catch_up)
 
     def _finish(self, rid: str, caps: dict[str, int], lag: dict[str, int], method: str | None, k: int,
-                marginal_gain: float) -> Plan:
+                marginal_gain: float, prices: "ProbePrices") -> Plan:
         state = self.states.setdefault(rid, RequestSpecState())
         if k == 0:
-            probe = self._probe(rid, caps, lag, state)
-            if probe is not None:
-                return probe
-            state.steps_since_draft += 1
-            return NO_PLAN
-        state.steps_since_draft = 0
+            return self._probe(rid, caps, lag, state, prices) or NO_PLAN
+        if state.credit is None:
+            state.credit = 0.0   # it drafts: no need for a first probe later
         # Confidence stop: drafting on is worth it while P(all drafts so far accepted) stays near
         # the gain the plan's last draft token needed; the draft's own product of q estimates it.
         p_min = self.draft_p_min if self.draft_p_min is not None else 0.5 * marginal_gain
         return Plan(method, k, p_min)
 
-    def _probe(self, rid: str, caps: dict[str, int], lag: dict[str, int], state: RequestSpecState) -> Plan | None:
-        # A free proposer probes first; a draft model only if it is nearly caught up (a probe that
-        # first feeds it the whole prompt costs a prefill).
-        usable = [m for m in self.methods if caps.get(m, 0) > 0
-                  and (not self._is_model(m) or lag.get(m, 0) <= MAX_PROBE_CATCH_UP)]
-        free = [m for m in usable if not self._is_model(m)]
-        usable = free or usable
-        # Due, and on a step that is a multiple of the interval: requests due together probe together.
-        aligned = self.num_plans % min(state.probe_interval, PROBE_INTERVAL) == 0
-        if not usable or state.steps_since_draft + 1 < state.probe_interval or not aligned or self._probes_left <= 0:
+    def _probe(self, rid: str, caps: dict[str, int], lag: dict[str, int], state: RequestSpecState,
+               prices: "ProbePrices") -> Plan | None:
+        # A free proposer probes first; a draft model's probe is priced with its catch-up.
+        usable = [m for m in self.methods if caps.get(m, 0) > 0]
+        usable = [m for m in usable if not self._is_model(m)] or usable
+        fresh = state.credit is None
+        if not fresh:
+            state.credit = min(state.credit + EXPLORATION * prices.plain_token, MAX_CREDIT_STEPS * prices.plain_token)
+        if not usable or self._probes_left <= 0:
             return None
-        self._probes_left -= 1
         method = max(usable, key=lambda m: self.acceptance(rid, m))
-        state.steps_since_draft = 0
-        return Plan(method, 1, 0.0)
+        extra = prices.extra(lag.get(method, 0) if self._is_model(method) else None)
+        # Expected net cost: the extra time, less the plain time of the token it wins when accepted.
+        if not fresh and state.credit < extra - self.acceptance(rid, method) * prices.plain_token:
+            return None
+        state.credit = state.credit or 0.0
+        self._probes_left -= 1
+        state.probe = (extra, prices.plain_token)
+        return Plan(method, 1, 0.0, probe=True)
 
     def _static(self, caps: dict[str, int]) -> Plan:
         usable = [m for m in self.methods if caps.get(m, 0) > 0]
@@ -238,10 +283,11 @@ class SpecController:
         state = self.states.setdefault(request_id, RequestSpecState())
         state.counts.setdefault(method, DecayedCounts(REQUEST_DECAY)).observe(num_drafted, num_accepted)
         self.global_counts[method].observe(num_drafted, num_accepted)
-        if num_accepted > 0:     # acceptance may be back: while the plan still says k = 0, probe every step
-            state.probe_interval = 1
-        elif num_drafted == 1:   # a failed probe: wait longer before the next one
-            state.probe_interval = min(max(2 * state.probe_interval, PROBE_INTERVAL), MAX_PROBE_INTERVAL)
+        if state.probe is not None:   # charge the probe its net cost: won tokens pay for it
+            extra, plain_token = state.probe
+            state.credit = min((state.credit or 0.0) - extra + num_accepted * plain_token,
+                               MAX_CREDIT_STEPS * plain_token)
+            state.probe = None
 
     def on_finish(self, request_id: str) -> None:
         self.states.pop(request_id, None)

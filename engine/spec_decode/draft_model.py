@@ -30,7 +30,7 @@ class DraftModelProposer:
         self.runner = runner
         self.target_vocab_size = target_vocab_size
         self.draft_temperature = draft_temperature
-        self.on_forward = on_forward   # (rows, seconds) of every draft step, for the cost model
+        self.on_forward = on_forward   # (rows, seconds, catch-up tokens) of every draft step, for the cost model
         self._cursors: dict[str, tuple[int, int]] = {}   # request id -> (its preemption count, valid tokens)
 
     # ---- the lifecycle ------------------------------------------------------------
@@ -64,7 +64,7 @@ class DraftModelProposer:
         max_k = max(item.num_lookahead for item in items)
         requests = [item.request for item in items]
         params = [self._draft_params(r.params) for r in requests]
-        rows = sum(self.catch_up_tokens(item.request) for item in items) + len(items)   # tokens this forward feeds
+        rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
         started = time.perf_counter()
         logits = self._fit_vocab(self._catch_up(items))
         draft_probs = logits.new_zeros(len(items), max_k, logits.shape[-1])
@@ -84,17 +84,17 @@ class DraftModelProposer:
             for row, (a, token) in enumerate(zip(active, tokens.tolist())):
                 drafts[a].append(token)
                 confidence[a] *= own[row]
-            self._observe(rows, started)   # a draft step: the forward and its sampling
+            self._observe(rows, started, catch_up)   # a draft step: the forward and its sampling
             active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min]
             if not active:
                 break
-            rows, started = len(active), time.perf_counter()
+            rows, catch_up, started = len(active), 0, time.perf_counter()
             logits = self._fit_vocab(self._feed_drafts([items[a] for a in active], [drafts[a] for a in active]))
         return Proposal(drafts, draft_probs)
 
-    def _observe(self, rows: int, started: float) -> None:
+    def _observe(self, rows: int, started: float, catch_up: int) -> None:
         if self.on_forward is not None:   # the .tolist() calls above waited for the device
-            self.on_forward(rows, time.perf_counter() - started)
+            self.on_forward(rows, time.perf_counter() - started, catch_up)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, draft_vocab] -> [n, target_vocab]: embedding tables padded to different sizes
