@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-SPEC_METHODS = ("auto", "draft", "ngram", "none")
-PROPOSERS = ("draft", "ngram")
+PROPOSERS = ("draft", "ngram", "suffix")
+SPEC_METHODS = ("auto", *PROPOSERS, "none")
 MAX_SPEC_TOKENS = 16
 
 
@@ -19,16 +19,20 @@ def check_model_path(path: str, what: str) -> None:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "none"              # "auto" | "draft" | "ngram" | "none"
+    method: str = "none"              # "auto" | "draft" | "ngram" | "suffix" | "none"
     model: str | None = None          # draft checkpoint directory (method "draft", or "auto" with a draft)
     num_speculative_tokens: int = 4   # gamma: the most drafts a request verifies in one step
     proposers: tuple[str, ...] | None = None   # method "auto": the proposers it may route to
-                                               # (default: "draft" when a model is given, and "ngram")
+                                               # (default: "draft" when a model is given, "ngram", "suffix")
     adaptive: bool = True             # the controller picks k per request and step; False: always gamma
     draft_p_min: float | None = None  # confidence stop: a fixed bar; None: the controller sets it
     draft_temperature: float | None = None  # None: each request's own temperature
     ngram_max: int = 4
     ngram_min: int = 1
+    suffix_max_match: int = 24        # suffix: longest context suffix it matches
+    suffix_cache_tokens: int = 1 << 16  # suffix: recent requests' outputs kept for all requests (0: none)
+    suffix_min_prob: float = 0.1      # suffix: stop once the continuation's empirical probability falls below
+    suffix_min_score: int = 2         # suffix: draft only when match length x frequency reaches this
     dtype: str | None = None          # draft dtype; None: the target's
 
     def __post_init__(self):
@@ -41,7 +45,7 @@ class SpeculativeConfig:
         if not isinstance(gamma, int) or not 1 <= gamma <= MAX_SPEC_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {gamma!r}")
         if self.method == "auto":
-            default = ("draft", "ngram") if self.model else ("ngram",)
+            default = ("draft", "ngram", "suffix") if self.model else ("ngram", "suffix")
             object.__setattr__(self, "proposers", tuple(self.proposers or default))
             unknown = [p for p in self.proposers if p not in PROPOSERS]
             if unknown or not self.proposers:
@@ -56,6 +60,14 @@ class SpeculativeConfig:
             check_model_path(self.model, "speculative draft model")
         if "ngram" in self.proposers and not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if "suffix" in self.proposers:
+            for name in ("suffix_max_match", "suffix_min_score"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+            if not isinstance(self.suffix_cache_tokens, int) or self.suffix_cache_tokens < 0:
+                raise ValueError(f"suffix_cache_tokens must be an integer >= 0, got {self.suffix_cache_tokens!r}")
+            if not 0.0 <= self.suffix_min_prob <= 1.0:
+                raise ValueError(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob}")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature must be >= 0, got {self.draft_temperature}")
         if self.draft_p_min is not None and not 0.0 <= self.draft_p_min <= 1.0:

@@ -46,7 +46,7 @@ class Engine:
 
     @property
     def method(self) -> str:
-        """The configured strategy: "auto", "draft", "ngram" or "none"."""
+        """The configured strategy: one of config.SPEC_METHODS."""
         return self.config.speculative.method
 
     # ---- requests ---------------------------------------------------------

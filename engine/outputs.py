@@ -59,7 +59,7 @@ class RequestOutput:
 @dataclass(frozen=True)
 class StepStats:
     """Everything that happened in one Engine.step(), for metrics export."""
-    method: str                       # proposer: "draft" | "ngram" | "none"
+    method: str                       # the configured strategy (config.SPEC_METHODS)
     num_running: int
     num_waiting: int
     kv_cache_usage: float             # used blocks / total blocks, 0..1

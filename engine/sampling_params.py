@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import SPEC_METHODS
+
 _GREEDY_EPS = 1e-5
 
 
@@ -21,7 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None          # top-n logprobs per generated token (0: the chosen one only)
     prompt_logprobs: int | None = None   # same for prompt tokens (the first prompt token has none)
-    # Per-request speculation control: the strategy ("auto", "draft", "ngram", "none"; None: the
+    # Per-request speculation control: the strategy (config.SPEC_METHODS; None: the
     # engine's) and the most drafts per step (None: the engine's num_speculative_tokens).
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
@@ -49,8 +51,8 @@ class SamplingParams:
             value = getattr(self, name)
             check(value is None or 0 <= value <= 20, name, f"must be between 0 and 20, got {value}")
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
-        check(self.speculative_method in (None, "auto", "draft", "ngram", "none"), "speculative.method",
-              f"must be one of auto, draft, ngram, none, got {self.speculative_method!r}")
+        check(self.speculative_method is None or self.speculative_method in SPEC_METHODS, "speculative.method",
+              f"must be one of {', '.join(SPEC_METHODS)}, got {self.speculative_method!r}")
         k = self.num_speculative_tokens
         check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 16),
               "speculative.num_speculative_tokens", f"must be an integer in 0..16, got {k!r}")

@@ -36,7 +36,7 @@ class PlainStepTimer:
 class CostCurve:
     """Seconds of one forward pass as a function of the rows (tokens) it processes: moving averages
     per power-of-two bucket of rows, made non-decreasing (timings are noisy; more rows never cost
-    less), interpolated linearly in between and extrapolated past the largest bucket."""
+    less) from above, interpolated linearly in between and extrapolated past the largest bucket."""
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
@@ -64,10 +64,13 @@ class CostCurve:
     def __call__(self, rows: int) -> float:
         if rows <= 0 or not self.seconds:
             return 0.0
-        points, highest = [], 0.0
-        for x, y in sorted(self.seconds.items()):
-            highest = max(highest, y)
-            points.append((x, highest))
+        # Non-decreasing by the lowest reading at or above each bucket: timings only err upwards, so
+        # a slow outlier at a small bucket must not lift every bigger one.
+        points, lowest = [], float("inf")
+        for x, y in sorted(self.seconds.items(), reverse=True):
+            lowest = min(lowest, y)
+            points.append((x, lowest))
+        points.reverse()
         if rows <= points[0][0]:
             return points[0][1]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):

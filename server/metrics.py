@@ -2,9 +2,9 @@
 
 Names follow vLLM's (``vllm:`` -> ``specserve:``) so existing dashboards and habits carry over.
 Every series carries ``model_name``; the ``spec_decode_*`` series also carry ``method``, the
-engine's configured strategy ("auto" | "draft" | "ngram" | "none"); the ``*_by_proposer`` counters
-also carry ``proposer`` ("draft" | "ngram"), the proposer that drafted (under "auto", each request
-and step picks one).
+engine's configured strategy ("auto" | "draft" | "ngram" | "suffix" | "none"); the
+``*_by_proposer`` counters also carry ``proposer`` ("draft" | "ngram" | "suffix"), the proposer that
+drafted (under "auto", each request and step picks one).
 
 Who calls what:
 - ``observe_step`` once per ``Engine.step()``, on the engine thread. It must stay cheap: a few
@@ -69,7 +69,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import disable_created_metrics, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
-from engine.config import MAX_SPEC_TOKENS
+from engine.config import MAX_SPEC_TOKENS, PROPOSERS
 from engine.outputs import RequestOutput, StepStats
 
 # The *_created series double the series count and nothing here reads them (process-wide switch).
@@ -233,7 +233,7 @@ class Metrics:
             by_proposer, registry=self.registry)
         self._by_proposer: dict[str, tuple] = {}   # proposer -> (draft tokens child, accepted tokens child)
         if proposers is None:   # a one-proposer strategy names it; under "auto" each appears when it drafts
-            proposers = (method,) if method in ("draft", "ngram") else ()
+            proposers = (method,) if method in PROPOSERS else ()
         for proposer in proposers:
             self._proposer_children(proposer)
         self.predicted_time = histogram(

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import MAX_SPEC_TOKENS
+from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
 from engine.outputs import SpecStats, TokenLogprob
 
 logger = logging.getLogger("specserve.server")
@@ -48,12 +48,12 @@ class StreamOptions(_Request):
 class SpeculativeOptions(_Request):
     """specserve's extension beside OpenAI's fields: `"speculative": {"method", "num_speculative_tokens"}`.
 
-    method: "auto" (the engine's controller picks among the server's proposers), "draft" or "ngram"
-    (that proposer only; the server must have it), "none" (plain decoding). num_speculative_tokens:
+    method: "auto" (the engine's controller picks among the server's proposers), "draft", "ngram"
+    or "suffix" (that proposer only; the server must have it), "none" (plain decoding). num_speculative_tokens:
     the most drafts per step for this request, 0..16 (0: plain decoding; the server's own
     num_speculative_tokens still caps it). Either may be left out: the server's setting applies."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    method: Literal["auto", "draft", "ngram", "none"] | None = None
+    method: Literal[SPEC_METHODS] | None = None
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_TOKENS)
 
 

@@ -252,3 +252,15 @@ def test_failed_probes_cost_at_most_the_exploration_budget():
     plain = model.step_time(1, [])
     extra = model.verify_time(2) - model.verify_time(1) + model.draft_forward(1)
     assert 2 <= probes and probes * extra <= EXPLORATION * 400 * plain + extra + MAX_CREDIT_STEPS * plain
+
+
+def test_cost_curve_is_monotone_from_above():
+    """A slow outlier at a small bucket does not lift the bigger ones (timings only err upwards);
+    in between the curve interpolates, past its end it extrapolates."""
+    from engine.step_timer import CostCurve
+    curve = CostCurve()
+    for rows, seconds in ((1, 0.010), (2, 0.050), (4, 0.012), (8, 0.016)):
+        curve.calibrate(rows, seconds)
+    assert curve(2) == pytest.approx(0.012) and curve(4) == pytest.approx(0.012)
+    assert curve(6) == pytest.approx(0.014) and curve(16) == pytest.approx(0.024)
+    assert all(curve(r) <= curve(r + 1) for r in range(1, 40))

@@ -22,7 +22,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   the request's share of a plain step; a probe is charged its net cost (its extra time, less the
   plain-decoding time of the tokens it won). Failed probes can never cost more than EXPLORATION of
   plain decoding; probes that win pay for themselves, so once acceptance is back they run every
-  step until the plan drafts again. A request without history of its own gets one probe at once.
+  step until the plan drafts again. A request without history of its own gets one free probe at
+  once.
   At most one request in eight probes in a step.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 from engine.step_timer import StepCostModel
 
-PRIOR_WEIGHT = 2.0        # pseudo-observations of the engine-wide rate behind each request's estimate
+PRIOR_WEIGHT = 4.0        # pseudo-observations of the engine-wide rate behind each request's estimate
 REQUEST_DECAY = 0.93      # per judged draft token: a request remembers ~14 tokens (half-life ~10)
 GLOBAL_DECAY = 0.995      # per judged draft token (of any request): the engine-wide rate, half-life ~140
 EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
@@ -170,7 +171,7 @@ class SpecController:
                 row, first = self._prices(methods[rid], lag, model_rows, per_token)
                 increments += _ironed(rid, self.gains(rid, methods[rid], caps[methods[rid]]), row, first)
         increments.sort(key=lambda item: (-item[0], item[3]))
-        expected, time = float(len(candidates)), drafting_time
+        expected, time = float(len(candidates)), max(drafting_time, 1e-9)
         taken: dict[str, list[tuple[float, float]]] = {}
         for ratio, gain, seconds, _, rid in increments:
             if ratio <= expected / time:
@@ -179,7 +180,7 @@ class SpecController:
             taken.setdefault(rid, []).append((gain, seconds))
         # A pooled bundle may end in tokens not worth their own row once the catch-up is paid.
         for tokens in taken.values():
-            while len(tokens) > 1 and tokens[-1][0] / tokens[-1][1] <= expected / time:
+            while len(tokens) > 1 and tokens[-1][0] <= tokens[-1][1] * expected / time:
                 gain, seconds = tokens.pop()
                 expected, time = expected - gain, time - seconds
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
@@ -260,9 +261,9 @@ class SpecController:
         # Expected net cost: the extra time, less the plain time of the token it wins when accepted.
         if not fresh and state.credit < extra - self.acceptance(rid, method) * prices.plain_token:
             return None
-        state.credit = state.credit or 0.0
         self._probes_left -= 1
-        state.probe = (extra, prices.plain_token)
+        state.probe = None if fresh else (extra, prices.plain_token)   # a first look is free
+        state.credit = state.credit or 0.0
         return Plan(method, 1, 0.0, probe=True)
 
     def _static(self, caps: dict[str, int]) -> Plan:

@@ -1,0 +1,247 @@
+"""Suffix drafting: continue the context the way it continued before, in this request or in earlier ones.
+
+Two indexes answer the same question, "where did the last tokens of this context occur before, and
+what came next?":
+- each request's own index over its prompt and output so far;
+- one shared index over the outputs of recent requests (tool calls, JSON, code an agent loop writes
+  again and again), capped in tokens; the oldest outputs are evicted first.
+
+An index maps every q-gram (q = 1..Q) to the newest MAX_CANDIDATES positions where it ends, so an
+update costs O(Q) per new token (never a rebuild), memory is O(Q) per token, and eviction takes a
+document's positions back out. A lookup takes the occurrences of the context's last Q-gram (or
+shorter), extends each match backwards up to `max_match` tokens, keeps the longest matches, and
+walks forward along the most frequent
+continuation: at each step the share of the kept occurrences that agree is the empirical
+probability of the next token, and drafting stops once the product of those probabilities falls
+below `min_prob`. The draft's score is match length x frequency (how long the match and how many
+occurrences back its first token); below `min_score` it drafts nothing. Of the two indexes the one
+whose draft has more expected accepted tokens wins.
+
+Bookkeeping only: no tensors here.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from engine.request import Request
+from engine.scheduler import ScheduledRequest
+from engine.spec_decode.base import Proposal
+
+MAX_CANDIDATES = 64   # newest occurrences kept per q-gram: bounds lookups on common q-grams, and memory
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    token_ids: list[int]
+    probs: list[float]       # empirical probability of each draft token given the ones before it
+    match_length: int
+    frequency: int           # occurrences behind the first draft token
+
+    @property
+    def score(self) -> int:
+        return self.match_length * self.frequency
+
+    @property
+    def expected_accepted(self) -> float:
+        """Sum over positions of the probability that every draft up to it is right."""
+        total, cumulative = 0.0, 1.0
+        for p in self.probs:
+            cumulative *= p
+            total += cumulative
+        return total
+
+
+NO_DRAFT = SuffixDraft([], [], 0, 0)
+
+
+class SuffixIndex:
+    """Positions of every q-gram (q = 1..max_q) in a stream of documents. Positions are absolute
+    (they survive eviction of older documents); no q-gram spans two documents."""
+
+    def __init__(self, max_q: int = 3):
+        self.max_q = max_q
+        self.tokens: list[int] = []          # the stream, oldest first
+        self.base = 0                        # absolute position of tokens[0]
+        self.doc_ends: list[int] = []        # absolute end (exclusive) of each closed document, ascending
+        self.doc_start = 0                   # absolute start of the open document
+        self.ends: dict[tuple[int, ...], list[int]] = {}   # q-gram -> newest absolute positions of its last token
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.tokens)
+
+    def extend(self, token_ids) -> None:
+        for token in token_ids:
+            self.tokens.append(token)
+            position = self.end - 1
+            for q in range(1, min(self.max_q, position - self.doc_start + 1) + 1):
+                positions = self.ends.setdefault(tuple(self.tokens[len(self.tokens) - q:]), [])
+                positions.append(position)
+                if len(positions) > MAX_CANDIDATES:
+                    del positions[0]
+
+    def close_document(self) -> None:
+        """End the open document: later tokens never continue it."""
+        if self.end > self.doc_start:
+            self.doc_ends.append(self.end)
+            self.doc_start = self.end
+
+    def evict_oldest(self) -> int:
+        """Drop the oldest closed document and its positions; returns how many tokens it held."""
+        end = self.doc_ends.pop(0)
+        start = self.base
+        for position in range(start, end):
+            for q in range(1, min(self.max_q, position - start + 1) + 1):
+                key = tuple(self.tokens[position - self.base - q + 1:position - self.base + 1])
+                positions = self.ends.get(key)
+                while positions and positions[0] < end:   # ascending: this document's are the oldest
+                    del positions[0]
+                if positions == []:
+                    del self.ends[key]
+        del self.tokens[:end - start]
+        self.base = end
+        return end - start
+
+    def document_end(self, position: int) -> int:
+        """Absolute end (exclusive) of the document holding position."""
+        i = bisect_right(self.doc_ends, position)
+        return self.doc_ends[i] if i < len(self.doc_ends) else self.end
+
+    def document_start(self, position: int) -> int:
+        i = bisect_right(self.doc_ends, position)
+        return self.doc_ends[i - 1] if i > 0 else self.base
+
+    def lookup(self, context: list[int], k: int, max_match: int, min_prob: float) -> SuffixDraft:
+        """Up to k tokens that followed the longest occurrences of context's suffix that have a
+        token after them (when the context is this index's open document, its own end has none)."""
+        if k <= 0 or not context:
+            return NO_DRAFT
+        candidates, q = [], min(self.max_q, len(context))
+        while q >= 1 and not candidates:
+            positions = self.ends.get(tuple(context[-q:]), ())
+            candidates = [p for p in reversed(positions) if self.document_end(p) > p + 1]   # newest first
+            q -= 1
+        if not candidates:
+            return NO_DRAFT
+        lengths = [self._match_length(context, p, max_match) for p in candidates]
+        longest = max(lengths)
+        kept = [p + 1 for p, n in zip(candidates, lengths) if n == longest]   # where each continuation starts
+        return self._follow(kept, longest, k, min_prob)
+
+    def _match_length(self, context: list[int], position: int, max_match: int) -> int:
+        """How many tokens of context's suffix equal the stream's tokens ending at position (same document)."""
+        n, limit = 0, min(max_match, len(context), position - self.document_start(position) + 1)
+        while n < limit and self.tokens[position - self.base - n] == context[-1 - n]:
+            n += 1
+        return n
+
+    def _follow(self, starts: list[int], match_length: int, k: int, min_prob: float) -> SuffixDraft:
+        """Walk the most frequent continuation of the occurrences whose continuations begin at starts."""
+        ends = {s: self.document_end(s - 1) for s in starts}
+        tokens, probs, frequency, cumulative = [], [], 0, 1.0
+        for step in range(k):
+            counts: dict[int, int] = {}
+            for s in starts:
+                if s + step < ends[s]:
+                    token = self.tokens[s + step - self.base]
+                    counts[token] = counts.get(token, 0) + 1
+            if not counts:
+                break
+            token, count = max(counts.items(), key=lambda item: item[1])
+            p = count / len(starts)
+            if cumulative * p < min_prob:
+                break
+            cumulative *= p
+            tokens.append(token)
+            probs.append(p)
+            frequency = frequency or count
+            starts = [s for s in starts if s + step < ends[s] and self.tokens[s + step - self.base] == token]
+        return SuffixDraft(tokens, probs, match_length, frequency)
+
+
+class SharedSuffixCache:
+    """Outputs of recent requests, each a document, within a cap in tokens (oldest evicted first)."""
+
+    def __init__(self, max_tokens: int, max_q: int = 3):
+        self.max_tokens = max_tokens
+        self.index = SuffixIndex(max_q)
+
+    def add(self, token_ids: list[int]) -> None:
+        if not token_ids or self.max_tokens <= 0:
+            return
+        token_ids = token_ids[-self.max_tokens:]
+        while self.index.doc_ends and len(self.index) + len(token_ids) > self.max_tokens:
+            self.index.evict_oldest()
+        self.index.extend(token_ids)
+        self.index.close_document()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.index)
+
+
+class SuffixProposer:
+    """Free drafts from the request's own context and from recent requests' outputs."""
+    method = "suffix"
+
+    def __init__(self, max_match: int = 24, cache_tokens: int = 1 << 16, min_prob: float = 0.1,
+                 min_score: int = 2, max_q: int = 3):
+        self.max_match, self.min_prob, self.min_score = max_match, min_prob, min_score
+        self.max_q = max_q
+        self.shared = SharedSuffixCache(cache_tokens, max_q)
+        self._own: dict[str, tuple[SuffixIndex, int]] = {}          # request id -> (its index, prompt length)
+        self._drafts: dict[str, tuple[int, int, SuffixDraft]] = {}  # request id -> (num_tokens, k, draft) this step
+
+    # ---- the lifecycle ------------------------------------------------------------
+    def max_drafts(self, request: Request, limit: int) -> int:
+        return min(limit, len(self.draft(request, limit).token_ids)) if limit > 0 else 0
+
+    def catch_up_tokens(self, request: Request) -> int:
+        return 0
+
+    def propose(self, items: list[ScheduledRequest]) -> Proposal:
+        return Proposal([self.draft(item.request, item.num_lookahead).token_ids[:item.num_lookahead]
+                         for item in items], None)
+
+    def on_verified(self, request: Request) -> None:
+        own = self._own.get(request.request_id)
+        if own is not None:
+            index, _ = own
+            index.extend(request.token_ids[len(index):])   # only accepted tokens: nothing to roll back
+
+    def on_finish(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)
+        own = self._own.pop(request_id, None)
+        if own is not None:
+            index, prompt_length = own
+            self.shared.add(index.tokens[prompt_length:])
+
+    # ---- drafting ----------------------------------------------------------------
+    def draft(self, request: Request, k: int) -> SuffixDraft:
+        """The better of the request's own and the shared index's drafts (cached for this step)."""
+        cached = self._drafts.get(request.request_id)
+        if cached is not None and cached[0] == request.num_tokens and cached[1] >= k:
+            return cached[2]
+        index = self._index(request)
+        context = request.token_ids
+        own = index.lookup(context, k, self.max_match, self.min_prob)
+        shared = self.shared.index.lookup(context, k, self.max_match, self.min_prob)
+        best = max((own, shared), key=lambda d: (d.expected_accepted, d is own))
+        if best.score < self.min_score:
+            best = NO_DRAFT
+        self._drafts[request.request_id] = (request.num_tokens, k, best)
+        return best
+
+    def _index(self, request: Request) -> SuffixIndex:
+        own = self._own.get(request.request_id)
+        if own is None:
+            own = (SuffixIndex(self.max_q), request.num_prompt_tokens)
+            self._own[request.request_id] = own
+        index = own[0]
+        if len(index) < request.num_tokens:
+            index.extend(request.token_ids[len(index):])
+        return index

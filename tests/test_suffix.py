@@ -1,0 +1,199 @@
+"""Suffix drafting (engine/spec_decode/suffix.py): the index's matches and frequencies, eviction and
+its memory bound, the proposer's lifecycle, sharing across requests, and losslessness in batches
+that mix suffix drafts with a draft model's."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import SamplingParams
+from engine.request import Request
+from engine.spec_decode.suffix import SharedSuffixCache, SuffixIndex, SuffixProposer
+
+
+def index_of(*documents: list[int], max_q: int = 3) -> SuffixIndex:
+    index = SuffixIndex(max_q)
+    for doc in documents:
+        index.extend(doc)
+        index.close_document()
+    return index
+
+
+def brute_force_longest(stream_docs: list[list[int]], context: list[int], max_match: int) -> int:
+    """Longest suffix of context (<= max_match) found inside one document with a token after it."""
+    best = 0
+    for doc in stream_docs:
+        for end in range(len(doc) - 1):   # occurrence ends at doc[end], continues at doc[end + 1]
+            n = 0
+            while n < min(max_match, end + 1, len(context)) and doc[end - n] == context[-1 - n]:
+                n += 1
+            best = max(best, n)
+    return best
+
+
+def test_longest_match_and_frequencies():
+    # "1 2 3" is followed by 4 twice and by 5 once; "9 1 2 3" only by 5
+    index = index_of([1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 9, 1, 2, 3, 5, 0])
+    draft = index.lookup([7, 1, 2, 3], k=3, max_match=8, min_prob=0.0)
+    assert draft.match_length == 3 and draft.token_ids[0] == 4 and draft.frequency == 2
+    assert draft.probs[0] == pytest.approx(2 / 3)
+    assert draft.token_ids == [4, 0, 9]   # both occurrences of "1 2 3 4" go on with 0, then 1 and 9 (newest wins ties)
+    longer = index.lookup([9, 1, 2, 3], k=2, max_match=8, min_prob=0.0)
+    assert longer.match_length == 4 and longer.token_ids == [5, 0] and longer.frequency == 1
+    assert longer.score == 4
+
+
+def test_min_prob_cuts_the_walk():
+    index = index_of([1, 2, 3, 0, 1, 2, 4, 0, 1, 2, 5, 0])
+    assert index.lookup([1, 2], k=4, max_match=8, min_prob=0.5).token_ids == []
+    assert index.lookup([1, 2], k=4, max_match=8, min_prob=0.3).token_ids == [5, 0]   # newest of the tie
+
+
+def test_matches_agree_with_brute_force():
+    rng = random.Random(0)
+    docs = [[rng.randrange(6) for _ in range(rng.randrange(5, 40))] for _ in range(30)]
+    index = index_of(*docs)
+    for _ in range(200):
+        context = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        draft = index.lookup(context, k=2, max_match=10, min_prob=0.0)
+        # the q-gram seed limits candidates to the newest MAX_CANDIDATES occurrences; with these
+        # sizes there are rarely more, so the longest match must be found
+        assert draft.match_length == brute_force_longest(docs, context, 10), context
+
+
+def test_no_match_crosses_documents():
+    index = index_of([1, 2], [3, 4])
+    assert index.lookup([2], k=2, max_match=4, min_prob=0.0).token_ids == []   # 2 ends its document
+    assert index.lookup([1], k=4, max_match=4, min_prob=0.0).token_ids == [2]
+
+
+def test_own_context_excludes_its_last_position():
+    index = index_of([])
+    index.extend([5, 6, 7, 5, 6])
+    draft = index.lookup([5, 6, 7, 5, 6], k=4, max_match=8, min_prob=0.0)
+    assert draft.token_ids == [7, 5, 6] and draft.match_length == 2
+
+
+def test_eviction_keeps_the_cache_within_its_cap_under_endless_load():
+    rng = random.Random(1)
+    cache = SharedSuffixCache(max_tokens=500)
+    for i in range(400):
+        cache.add([rng.randrange(50) for _ in range(rng.randrange(1, 120))])
+        assert cache.num_tokens <= 500
+        entries = sum(len(p) for p in cache.index.ends.values())
+        assert entries <= 3 * cache.num_tokens   # one entry per q-gram end: memory is O(cap)
+    # what is left is exactly the newest documents: an index built from them alone has the same entries
+    kept = [cache.index.tokens[s - cache.index.base:e - cache.index.base]
+            for s, e in zip([cache.index.base] + cache.index.doc_ends[:-1], cache.index.doc_ends)]
+    fresh = index_of(*kept)
+    assert {k: list(v) for k, v in fresh.ends.items()} == \
+        {k: [p - cache.index.base for p in v] for k, v in cache.index.ends.items()}
+
+
+def test_updates_are_incremental():
+    """extend() touches only the new tokens: appending one token to a long stream adds max_q entries."""
+    index = index_of([])
+    index.extend(list(range(1000)) * 3)
+    before = sum(len(p) for p in index.ends.values())
+    index.extend([7])
+    assert sum(len(p) for p in index.ends.values()) - before == 3
+
+
+def _request(rid: str, prompt: list[int]) -> Request:
+    return Request(rid, list(prompt), len(prompt), SamplingParams(max_tokens=64), arrival_time=0.0, generator=None)
+
+
+def test_proposer_shares_finished_outputs_across_requests():
+    proposer = SuffixProposer(max_match=16, cache_tokens=1000, min_prob=0.1, min_score=2)
+    first = _request("a", [1, 2, 3])
+    answer = [40, 41, 42, 43, 44, 45, 46, 47]
+    assert proposer.max_drafts(first, 4) == 0
+    first.token_ids.extend(answer)
+    proposer.on_verified(first)
+    proposer.on_finish("a")
+    assert proposer.shared.num_tokens == len(answer)   # its output, not its prompt
+    second = _request("b", [9, 9, 40, 41])   # a new prompt that starts the same answer
+    assert proposer.max_drafts(second, 4) == 4
+    assert proposer.draft(second, 4).token_ids == [42, 43, 44, 45]
+    assert proposer.max_drafts(second, 2) == 2   # never more than the limit, even from a cached lookup
+
+
+def test_config_validation():
+    from engine.config import SpeculativeConfig
+    assert SpeculativeConfig(method="suffix").proposers == ("suffix",)
+    assert "suffix" in SpeculativeConfig(method="auto").proposers
+    with pytest.raises(ValueError, match="suffix_max_match"):
+        SpeculativeConfig(method="suffix", suffix_max_match=0)
+    with pytest.raises(ValueError, match="suffix_cache_tokens"):
+        SpeculativeConfig(method="auto", suffix_cache_tokens=-1)
+    with pytest.raises(ValueError, match="suffix_min_prob"):
+        SpeculativeConfig(method="suffix", suffix_min_prob=1.5)
+
+
+# ---- the engine with suffix drafts -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from helpers import make_noisy_copy, make_tiny_checkpoint
+    root = tmp_path_factory.mktemp("suffix")
+    target = make_tiny_checkpoint(root / "target", arch="llama", seed=0)
+    return str(target), str(make_noisy_copy(target, root / "draft", noise=0.05))
+
+
+def generate(config: dict, prompts, params) -> tuple[list[list[int]], list]:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    engine = Engine(EngineConfig(dtype="float32", **config))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params[i] if isinstance(params, list) else params)
+    tokens, finals = {str(i): [] for i in range(len(prompts))}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    generate.engine = engine
+    return [tokens[str(i)] for i in range(len(prompts))], [finals[str(i)] for i in range(len(prompts))]
+
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], list(range(40, 70)), [9] * 12]
+
+
+def test_suffix_drafts_are_lossless_beside_model_drafts(pair):
+    target, draft = pair
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain, _ = generate({"model": target}, PROMPTS, greedy)
+    params = [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, speculative_method=m)
+              for m in ("suffix", "draft", "suffix", "draft")]
+    spec = {"method": "auto", "model": draft, "proposers": ["draft", "suffix"], "num_speculative_tokens": 4,
+            "adaptive": False}
+    tokens, finals = generate({"model": target, "speculative": spec}, PROMPTS, params)
+    assert tokens == plain
+    assert finals[0].spec.passes_by_method.get("suffix", 0) > 0 and finals[0].spec.accepted > 0
+    assert set(finals[1].spec.passes_by_method) <= {"draft", "none"}
+    for t, f in zip(tokens, finals):
+        assert len(t) == 1 + f.spec.accepted + f.spec.target_forwards
+
+
+def test_a_second_request_reuses_the_first_ones_output(pair):
+    """The same greedy answer twice: the second request's suffix drafts come from the shared cache,
+    so it accepts more than the first, which only had its own context."""
+    target, _ = pair
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    engine = Engine(EngineConfig(model=target, dtype="float32", speculative={
+        "method": "suffix", "num_speculative_tokens": 6, "adaptive": False}))
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompt = list(range(100, 140))
+    finals = []
+    for rid in ("first", "second"):
+        engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals.append(out)
+    first, second = finals
+    assert second.spec.accepted > first.spec.accepted, (first.spec, second.spec)
+    assert second.spec.target_forwards < first.spec.target_forwards / 2
