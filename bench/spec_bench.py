@@ -205,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     questions = load_questions(Path(args.questions), args.per_category)
     categories = sorted({q["category"] for q in questions})
     # the single methods at a static gamma (what they were before the controller), and auto: the
-    # adaptive controller routing each request and step between both
+    # adaptive controller routing each request and step between all of them
     methods = {"none": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": spec.gamma, "adaptive": False},
                "draft": {"method": "draft", "model": spec.model, "num_speculative_tokens": spec.gamma, "adaptive": False},
+               "suffix": {"method": "suffix", "num_speculative_tokens": spec.gamma, "adaptive": False},
                "auto": {"method": "auto", "model": spec.model, "num_speculative_tokens": spec.gamma}}
     lines = [f"# Spec-Bench dev: {len(questions)} questions ({args.per_category} per category), greedy, "
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]

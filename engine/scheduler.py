@@ -29,7 +29,7 @@ class ScheduledRequest:
     samples: bool              # feeds the request's last token, so a new token comes out
     is_decode: bool            # feeds only the last generated token: a decode / verification pass
     method: str = "none"       # the proposer drafting for it this step
-    p_min: float = 0.0         # confidence stop for a model draft (see spec_decode.controller)
+    p_min: float = 0.0         # confidence stop for drafts that carry probabilities (see spec_decode.controller)
 
     @classmethod
     def of(cls, request: Request, num_new_tokens: int, num_lookahead: int = 0, method: str = "none",

@@ -158,8 +158,8 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
                max_batch: int, gamma: int) -> None:
     """Time, through the real verification path on scratch blocks: plain greedy decode steps at batch
     1, 2, 4, ... (the plain-step timer and the cost model's plain curve), verification passes of
-    gamma + 1 tokens per request at the same batches and of 2 tokens at batch 1 (its verification
-    curve), and draft forwards."""
+    2 and gamma + 1 tokens per request at the same batches (its verification curves, one per
+    batch), and draft forwards."""
     context = 2 * pool.block_size
     max_batch = min(max_batch, pool.num_free_blocks // 4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -193,13 +193,13 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
 
     if max_batch < 1:
         return
-    costs.target.calibrate(2, target_pass(1, 1))
     batch = 1
     while batch <= max_batch:
         seconds = target_pass(batch, 0)
         timer.seconds[batch] = seconds
         costs.plain.calibrate(batch, seconds)
-        costs.target.calibrate(batch * (gamma + 1), target_pass(batch, gamma))
+        for lookahead in sorted({1, gamma}):   # verification curves per batch: one and gamma drafts each
+            costs.calibrate_verify(batch, batch * (lookahead + 1), target_pass(batch, lookahead))
         batch *= 2
     if draft is not None:
         batch = 1

@@ -91,20 +91,29 @@ class StepCostModel:
     each draft-model forward as a function of its rows (one row per drafting request), plus the
     tokens a draft model catches up on in its first forward. A pass that verifies drafts and a plain
     decode pass of as many tokens cost differently (multi-token queries take other matmul and
-    attention kernels), so there are two target curves: `plain` (steps without drafts) and `target`
-    (steps with). Catch-up tokens cost less than rows (no logits: a shallow draft's cost is mostly
-    its LM head), so they have their own per-token price. The engine calibrates all of these at
-    start-up and refines them from every step and draft forward."""
+    attention kernels), and sixteen sequences with two tokens each cost more than two with sixteen
+    (attention and its gathers are per sequence), so verification passes have one curve over tokens
+    per power-of-two bucket of sequences (`targets`), and plain passes their own (`plain`, over
+    sequences = tokens). Catch-up tokens cost less than rows (no logits: a shallow draft's cost is
+    mostly its LM head), so they have their own per-token price. The engine calibrates all of these
+    at start-up and refines them from every step and draft forward."""
 
     def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
         self.plain = CostCurve(smoothing)
-        self.target = CostCurve(smoothing)
+        self.targets: dict[int, CostCurve] = {}   # sequence bucket -> verification time over tokens
         self.draft = CostCurve(smoothing)
         self.catch_up_token = 0.0   # seconds per token a draft forward feeds beyond its rows
-        self.smoothing = smoothing
 
-    def observe_pass(self, num_tokens: int, seconds: float, with_drafts: bool) -> None:
-        (self.target if with_drafts else self.plain).observe(num_tokens, seconds)
+    # ---- measurements -------------------------------------------------------------
+    def calibrate_verify(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        self._curve(num_seqs, create=True).calibrate(num_tokens, seconds)
+
+    def observe_pass(self, num_tokens: int, seconds: float, with_drafts: bool, num_seqs: int | None = None) -> None:
+        if with_drafts:
+            self._curve(num_seqs or num_tokens, create=True).observe(num_tokens, seconds)
+        else:
+            self.plain.observe(num_tokens, seconds)
 
     def observe_draft(self, rows: int, seconds: float, catch_up: int = 0) -> None:
         """One draft forward: `rows` requests, feeding `catch_up` tokens besides their last ones.
@@ -117,20 +126,25 @@ class StepCostModel:
         price = max(0.0, seconds - self.draft(rows)) / catch_up
         self.catch_up_token += self.smoothing * (price - self.catch_up_token) if self.catch_up_token else price
 
+    # ---- predictions ----------------------------------------------------------------
     def step_time(self, num_tokens: int, draft_rows: list[int], verifying: bool | None = None,
-                  catch_up: int = 0) -> float:
-        """num_tokens fed to the target; draft_rows: rows of each sequential draft forward (the
-        first also catches up `catch_up` tokens); verifying: whether the pass verifies drafts
-        (default: whether a draft model ran)."""
+                  catch_up: int = 0, base_tokens: int | None = None, num_seqs: int | None = None) -> float:
+        """num_tokens fed to the target (base_tokens of them without drafts) for num_seqs sequences;
+        draft_rows: rows of each sequential draft forward (the first also catches up `catch_up`
+        tokens); verifying: whether the pass verifies drafts (default: whether a draft model ran)."""
         verifying = bool(draft_rows) if verifying is None else verifying
         if not verifying and self.plain.ready:
             return self.plain(num_tokens)
         drafting = sum(self.draft(rows) for rows in draft_rows)
-        return self.target(num_tokens) + drafting + (self.catch_up_token * catch_up if draft_rows else 0.0)
+        return self.verify_time(num_tokens, base_tokens, num_seqs) + drafting + \
+            (self.catch_up_token * catch_up if draft_rows else 0.0)
 
-    def verify_time(self, num_tokens: int) -> float:
-        """The target pass alone, shaped as a verification (drafts, from any proposer)."""
-        return self.target(num_tokens)
+    def verify_time(self, num_tokens: int, base_tokens: int | None = None, num_seqs: int | None = None) -> float:
+        """The target pass alone, shaped as a verification (drafts, from any proposer), over
+        num_tokens of which base_tokens are the batch's own, never less than a plain pass of the
+        batch (the drafted pass holds it)."""
+        floor = self.plain(base_tokens) if base_tokens and self.plain.ready else 0.0
+        return max(self._curve(num_seqs or base_tokens or num_tokens)(num_tokens), floor)
 
     def draft_forward(self, rows: int) -> float:
         return self.draft(rows)
@@ -138,8 +152,17 @@ class StepCostModel:
     def catch_up(self, tokens: int) -> float:
         return self.catch_up_token * tokens
 
-    def per_token(self, num_tokens: int) -> float:
+    def per_token(self, num_tokens: int, num_seqs: int | None = None) -> float:
         """Marginal cost of one more token in a verification pass of num_tokens: the slope over the
         next max(4, num_tokens) tokens (the range drafts add to a pass), steadier than one token's step."""
-        span = max(4, num_tokens)
-        return max(self.target(num_tokens + span) - self.target(num_tokens), 0.0) / span
+        curve, span = self._curve(num_seqs or num_tokens), max(4, num_tokens)
+        return max(curve(num_tokens + span) - curve(num_tokens), 0.0) / span
+
+    def _curve(self, num_seqs: int, create: bool = False) -> CostCurve:
+        """The verification curve of this many sequences' bucket; without one, the nearest bucket's."""
+        bucket = PlainStepTimer.bucket(num_seqs)
+        if bucket in self.targets or create:
+            return self.targets.setdefault(bucket, CostCurve(self.smoothing))
+        if not self.targets:
+            return CostCurve(self.smoothing)
+        return self.targets[min(self.targets, key=lambda b: (abs(math.log2(b / bucket)), -b))]

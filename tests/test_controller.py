@@ -18,7 +18,7 @@ def costs(verify_slope: float, draft_forward: float = 0.004) -> StepCostModel:
     """A target pass of 30 ms plus verify_slope per extra token; draft forwards of draft_forward."""
     model = StepCostModel()
     for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-        model.target.calibrate(tokens, 0.030 + verify_slope * (tokens - 1))
+        model.calibrate_verify(1, tokens, 0.030 + verify_slope * (tokens - 1))
     for rows in (1, 4, 16, 64, 256):
         model.draft.calibrate(rows, draft_forward * (1 + rows / 64))
     return model
@@ -212,7 +212,7 @@ def test_a_costly_verification_shape_keeps_plain_decoding():
     for tokens in (1, 2, 4, 8, 16, 32, 64):
         model.plain.calibrate(tokens, 0.030 + 0.0005 * (tokens - 1))
     for tokens in (2, 4, 8, 16, 32, 64, 128, 256):
-        model.target.calibrate(tokens, 0.045 + 0.0005 * (tokens - 1))   # +15 ms for the verification shape
+        model.calibrate_verify(1, tokens, 0.045 + 0.0005 * (tokens - 1))   # +15 ms for the verification shape
     moderate = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.4})
     assert set(plan_k(moderate, 4)) == {("none", 0)}
     high = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.95})

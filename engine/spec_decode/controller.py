@@ -157,8 +157,8 @@ class SpecController:
         plain_time = self.costs.step_time(base_tokens, [])
         # Plan as if the pass verifies drafts (its shape costs more than a plain pass of as many
         # tokens), then keep the plan only if it beats plain decoding at the plain pass's cost.
-        drafting_time = self.costs.verify_time(base_tokens)
-        per_token = self.costs.per_token(base_tokens)
+        drafting_time = self.costs.verify_time(base_tokens, base_tokens, len(candidates))
+        per_token = self.costs.per_token(base_tokens, len(candidates))
         methods = {rid: self._choose_method(rid, caps, lag, len(candidates), drafting_time, per_token)
                    for rid, caps, lag in candidates}
         model_rows = sum(1 for m in methods.values() if m is not None and self._is_model(m))
@@ -232,7 +232,7 @@ class SpecController:
                 for j in range(k):
                     rows[j] = rows.get(j, 0) + 1
         return self.costs.step_time(base_tokens + sum(ks.values()), [rows[j] for j in sorted(rows)], bool(ks),
-                                    catch_up)
+                                    catch_up, base_tokens, len(lags))
 
     def _finish(self, rid: str, caps: dict[str, int], lag: dict[str, int], method: str | None, k: int,
                 marginal_gain: float, prices: "ProbePrices") -> Plan:

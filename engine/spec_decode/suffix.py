@@ -15,7 +15,9 @@ continuation: at each step the share of the kept occurrences that agree is the e
 probability of the next token, and drafting stops once the product of those probabilities falls
 below `min_prob`. The draft's score is match length x frequency (how long the match and how many
 occurrences back its first token); below `min_score` it drafts nothing. Of the two indexes the one
-whose draft has more expected accepted tokens wins.
+whose draft has more expected accepted tokens wins. The controller's confidence stop (the plan's
+p_min) cuts the draft where its cumulative probability falls below the bar, as it cuts a draft
+model's by the model's own probabilities.
 
 Bookkeeping only: no tensors here.
 """
@@ -204,8 +206,19 @@ class SuffixProposer:
         return 0
 
     def propose(self, items: list[ScheduledRequest]) -> Proposal:
-        return Proposal([self.draft(item.request, item.num_lookahead).token_ids[:item.num_lookahead]
-                         for item in items], None)
+        return Proposal([self._confident(self.draft(item.request, item.num_lookahead), item) for item in items], None)
+
+    @staticmethod
+    def _confident(draft: SuffixDraft, item: ScheduledRequest) -> list[int]:
+        """The plan's confidence stop: keep drafts while their cumulative empirical probability
+        stays at or above item.p_min (as a draft model does with its own probabilities)."""
+        tokens, cumulative = [], 1.0
+        for token, p in zip(draft.token_ids[:item.num_lookahead], draft.probs):
+            cumulative *= p
+            if tokens and cumulative < item.p_min:
+                break
+            tokens.append(token)
+        return tokens
 
     def on_verified(self, request: Request) -> None:
         own = self._own.get(request.request_id)
