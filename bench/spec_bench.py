@@ -80,6 +80,15 @@ class Run:
         return sum(getattr(self, field).values())
 
 
+def warm_engine(config, concurrency: int, speculative: dict | None) -> LLM:
+    """The engine for one method (speculative None: plain decoding), warmed up by one short chat."""
+    llm = LLM(config.model, dtype=config.dtype, max_num_seqs=max(concurrency, 1),
+              **({"speculative": speculative} if speculative else {}))
+    llm.generate([chat_ids(llm.tokenizer, [{"role": "user", "content": "Hello!"}])],
+                 SamplingParams(max_tokens=8, temperature=0.0))
+    return llm
+
+
 def run_engine(llm: LLM, questions: list[dict], max_tokens: int, concurrency: int) -> Run:
     """Every conversation turn by turn; at concurrency 1 one at a time (timed alone), else all of a turn
     submitted together, the engine keeping `concurrency` in flight."""
@@ -217,15 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     for concurrency in args.concurrency:
         runs = {}
         for name, speculative in methods.items():
-            llm = LLM(config.model, dtype=config.dtype, max_num_seqs=concurrency,
-                      **({"speculative": speculative} if speculative else {}))
+            llm = warm_engine(config, concurrency, speculative)
             if name == "none" and concurrency == args.concurrency[0]:
                 cost = verification_cost(llm, spec.gamma)
                 lines.append(f"dtype {str(llm.engine.dtype).replace('torch.', '')}: verifying {spec.gamma + 1} tokens "
                              f"costs {cost:.2f} decode steps (batch 1)")
                 results["verify_cost"] = cost
-            llm.generate([chat_ids(llm.tokenizer, [{"role": "user", "content": "Hello!"}])],
-                         SamplingParams(max_tokens=8, temperature=0.0))   # warm-up
             runs[name] = run_engine(llm, questions, args.max_tokens, concurrency)
             print(f"{name} at concurrency {concurrency}: {runs[name].pooled('tokens')} tokens in "
                   f"{runs[name].wall:.1f} s", file=sys.stderr, flush=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import QUESTIONS, Run, chat_ids, load_questions, ratio  # noqa: E402
+from spec_bench import QUESTIONS, Run, chat_ids, load_questions, ratio, warm_engine  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from server.config import load_config  # noqa: E402
@@ -269,10 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         for concurrency in args.concurrency:
             runs = {}
             for method, speculative in wanted.items():
-                llm = LLM(config.model, dtype=config.dtype, max_num_seqs=max(concurrency, 1),
-                          **({"speculative": speculative} if speculative else {}))
-                llm.generate([chat_ids(llm.tokenizer, [{"role": "user", "content": "Hello!"}])],
-                             SamplingParams(max_tokens=8, temperature=0.0))   # warm-up
+                llm = warm_engine(config, concurrency, speculative)
                 runs[method] = run_sessions(llm, sessions, args.max_tokens, concurrency)
                 print(f"{workload} c{concurrency} {method}: {runs[method].pooled('tokens')} tokens in "
                       f"{runs[method].wall:.1f} s", file=sys.stderr, flush=True)

@@ -157,9 +157,9 @@ class Engine:
             drafts = proposal.draft_token_ids[i]
             if drafts:
                 self.controller.observe(item.request.request_id, item.method, len(drafts), result.num_accepted[i])
-        drafts = sum(len(d) for d in proposal.draft_token_ids)
-        self.costs.observe_pass(sum(s.num_new_tokens for s in batch.scheduled) + drafts, verify_time, drafts > 0,
-                                len(batch.scheduled))
+        num_drafts = sum(len(d) for d in proposal.draft_token_ids)
+        self.costs.observe_pass(sum(s.num_new_tokens for s in batch.scheduled) + num_drafts, verify_time,
+                                num_drafts > 0, len(batch.scheduled))
 
     def _forget(self, request_id: str) -> None:
         self.proposer.on_finish(request_id)

@@ -23,8 +23,7 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   plain-decoding time of the tokens it won). Failed probes can never cost more than EXPLORATION of
   plain decoding; probes that win pay for themselves, so once acceptance is back they run every
   step until the plan drafts again. A request without history of its own gets one free probe at
-  once.
-  At most one request in eight probes in a step.
+  once. At most one request in eight probes in a step.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
   needed (or `draft_p_min`, when configured).
@@ -78,16 +77,15 @@ def _ironed(rid: str, gains: list[float], row: float, first: float) -> list[tupl
 
 @dataclass(frozen=True)
 class ProbePrices:
-    """What one probe row costs in a step, and what its tokens are worth."""
+    """What a probe row costs in a step beyond its own draft token, and what its tokens are worth."""
     plain_token: float        # seconds per token of plain decoding at this batch
     per_token: float          # one more token in the verification pass
     shape_jump: float         # a verification-shaped pass over a plain one (charged to each probe: conservative)
-    draft_row: object         # lag tokens -> seconds of a one-row draft forward that first catches up lag
 
-    def extra(self, model_lag: int | None) -> float:
-        """Extra seconds of a probe (model_lag: the draft model's catch-up; None: a free proposer)."""
-        draft = 0.0 if model_lag is None else self.draft_row(model_lag)
-        return max(0.0, self.shape_jump) + self.per_token + draft
+
+def _add_credit(state: "RequestSpecState", seconds: float, plain_token: float) -> None:
+    """Move a request's exploration credit, saved up to at most MAX_CREDIT_STEPS plain steps."""
+    state.credit = min((state.credit or 0.0) + seconds, MAX_CREDIT_STEPS * plain_token)
 
 
 class DecayedCounts:
@@ -190,8 +188,7 @@ class SpecController:
         if ks and expected / time < len(candidates) / plain_time:   # the exact costs say plain is better
             ks, time = {}, plain_time
         self.last_predicted_time = time
-        prices = ProbePrices(plain_time / len(candidates), per_token, drafting_time - plain_time,
-                             lambda lag: self.costs.draft_forward(1) + self.costs.catch_up(lag))
+        prices = ProbePrices(plain_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
         return {rid: self._finish(rid, caps, lag, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices)
                 for rid, caps, lag in candidates}
 
@@ -253,11 +250,12 @@ class SpecController:
         usable = [m for m in usable if not self._is_model(m)] or usable
         fresh = state.credit is None
         if not fresh:
-            state.credit = min(state.credit + EXPLORATION * prices.plain_token, MAX_CREDIT_STEPS * prices.plain_token)
+            _add_credit(state, EXPLORATION * prices.plain_token, prices.plain_token)
         if not usable or self._probes_left <= 0:
             return None
         method = max(usable, key=lambda m: self.acceptance(rid, m))
-        extra = prices.extra(lag.get(method, 0) if self._is_model(method) else None)
+        row, first = self._prices(method, lag, 1, prices.per_token)   # drafting alone: a one-row draft forward
+        extra = prices.shape_jump + row + first
         # Expected net cost: the extra time, less the plain time of the token it wins when accepted.
         if not fresh and state.credit < extra - self.acceptance(rid, method) * prices.plain_token:
             return None
@@ -286,8 +284,7 @@ class SpecController:
         self.global_counts[method].observe(num_drafted, num_accepted)
         if state.probe is not None:   # charge the probe its net cost: won tokens pay for it
             extra, plain_token = state.probe
-            state.credit = min((state.credit or 0.0) - extra + num_accepted * plain_token,
-                               MAX_CREDIT_STEPS * plain_token)
+            _add_credit(state, num_accepted * plain_token - extra, plain_token)
             state.probe = None
 
     def on_finish(self, request_id: str) -> None:

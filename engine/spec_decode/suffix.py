@@ -221,10 +221,8 @@ class SuffixProposer:
         return tokens
 
     def on_verified(self, request: Request) -> None:
-        own = self._own.get(request.request_id)
-        if own is not None:
-            index, _ = own
-            index.extend(request.token_ids[len(index):])   # only accepted tokens: nothing to roll back
+        if request.request_id in self._own:
+            self._index(request)   # only accepted tokens enter it: nothing to roll back
 
     def on_finish(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)
