@@ -1,6 +1,7 @@
 """Spec-Bench on the default target: the draft model and n-gram (each at a static gamma), auto (the
-adaptive controller routing between both) and no speculation, side by side in one run, with
-transformers' assisted generation and prompt lookup as the peers.
+adaptive controller routing between them) and no speculation, side by side in one run (in lock-step:
+one engine step of each method in turn, see conversations.py), with transformers' assisted
+generation and prompt lookup as the peers.
 
     python bench/spec_bench.py [--config configs/smollm2-draft.yaml] [--per-category 3] [--max-tokens 128]
                                [--concurrency 1 4 16] [--no-peers] [--json results.json]
@@ -12,7 +13,7 @@ model's own answer in the context of the next turn, as Spec-Bench does. Greedy d
 For each concurrency (requests in flight at once) and each method it prints, per category and
 pooled: acceptance (accepted / proposed draft tokens), tokens per target forward, and the speedup
 over plain decoding (time per generated token, plain / method). Per-category speedups come from the
-concurrency-1 run, where each conversation is timed alone. The peers run at concurrency 1 on the
+concurrency-1 run, where each step serves one conversation. The peers run at concurrency 1 on the
 same prompts, dtype and token limit. The measured cost of verifying gamma + 1 tokens, in decode
 steps, is printed first: on CPUs without native bf16 it is what limits the speedup.
 """
@@ -23,7 +24,6 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -32,90 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, os.path.dirname(__file__))
 from common import timed  # noqa: E402
+from conversations import (QUESTIONS, Run, chat_ids, load_questions, question_sessions,  # noqa: E402
+                           run_lockstep, warm_engine)
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
 from server.config import load_config  # noqa: E402
-
-QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
-
-
-def load_questions(path: Path, per_category: int) -> list[dict]:
-    rows = sorted((json.loads(line) for line in open(path) if line.strip()), key=lambda r: r["question_id"])
-    taken: dict[str, int] = defaultdict(int)
-    selected = []
-    for row in rows:
-        if taken[row["category"]] < per_category:
-            taken[row["category"]] += 1
-            selected.append(row)
-    return selected
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-class Run:
-    """Totals of one method at one concurrency, per category."""
-
-    def __init__(self):
-        self.tokens = defaultdict(int)
-        self.seconds = defaultdict(float)
-        self.proposed = defaultdict(int)
-        self.accepted = defaultdict(int)
-        self.forwards = defaultdict(int)
-        self.answers: dict[tuple[int, int], list[int]] = {}
-        self.wall = 0.0
-
-    def add(self, category: str, output, seconds: float | None = None) -> None:
-        self.tokens[category] += len(output.token_ids)
-        self.proposed[category] += output.spec.proposed
-        self.accepted[category] += output.spec.accepted
-        self.forwards[category] += output.spec.target_forwards
-        if seconds is not None:
-            self.seconds[category] += seconds
-
-    def pooled(self, field: str) -> float:
-        return sum(getattr(self, field).values())
-
-
-def warm_engine(config, concurrency: int, speculative: dict | None) -> LLM:
-    """The engine for one method (speculative None: plain decoding), warmed up by one short chat."""
-    llm = LLM(config.model, dtype=config.dtype, max_num_seqs=max(concurrency, 1),
-              **({"speculative": speculative} if speculative else {}))
-    llm.generate([chat_ids(llm.tokenizer, [{"role": "user", "content": "Hello!"}])],
-                 SamplingParams(max_tokens=8, temperature=0.0))
-    return llm
-
-
-def run_engine(llm: LLM, questions: list[dict], max_tokens: int, concurrency: int) -> Run:
-    """Every conversation turn by turn; at concurrency 1 one at a time (timed alone), else all of a turn
-    submitted together, the engine keeping `concurrency` in flight."""
-    tokenizer, run = llm.tokenizer, Run()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    histories = {q["question_id"]: [] for q in questions}
-    start = time.perf_counter()
-    for turn in range(max(len(q["turns"]) for q in questions)):
-        active = [q for q in questions if turn < len(q["turns"])]
-        for q in active:
-            histories[q["question_id"]].append({"role": "user", "content": q["turns"][turn]})
-        prompts = [chat_ids(tokenizer, histories[q["question_id"]]) for q in active]
-        if concurrency == 1:
-            outputs, seconds = [], []
-            for prompt in prompts:
-                t0 = time.perf_counter()
-                outputs += llm.generate([prompt], params)
-                seconds.append(time.perf_counter() - t0)
-        else:
-            outputs, seconds = llm.generate(prompts, params), [None] * len(prompts)
-        for q, output, elapsed in zip(active, outputs, seconds):
-            run.add(q["category"], output, elapsed)
-            run.answers[(q["question_id"], turn)] = output.token_ids
-            histories[q["question_id"]].append({"role": "assistant", "content": output.text})
-    run.wall = time.perf_counter() - start
-    return run
-
 
 def verification_cost(llm: LLM, gamma: int, context: int = 256) -> float:
     """Time of one target pass over gamma + 1 new tokens / one over a single token, batch 1, bf16 as served."""
@@ -134,7 +56,6 @@ def verification_cost(llm: LLM, gamma: int, context: int = 256) -> float:
 def run_peer(target, tokenizer, questions: list[dict], max_tokens: int, **generate_kwargs) -> Run:
     """transformers' generate, one conversation at a time, greedy, same prompts and limits."""
     run = Run()
-    start = time.perf_counter()
     for q in questions:
         history = []
         for turn, text in enumerate(q["turns"]):
@@ -149,8 +70,8 @@ def run_peer(target, tokenizer, questions: list[dict], max_tokens: int, **genera
             new = out[0, ids.shape[1]:].tolist()
             run.tokens[q["category"]] += len(new)
             run.seconds[q["category"]] += elapsed
+            run.wall += elapsed
             history.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})
-    run.wall = time.perf_counter() - start
     return run
 
 
@@ -187,9 +108,11 @@ def report(runs: dict[str, Run], concurrency: int, categories: list[str]) -> lis
         lines.append("| " + " | ".join(cells) + " |")
     tokens_per_s = {m: run.pooled("tokens") / run.wall for m, run in runs.items()}
     lines.append("\nthroughput (tokens/s): " + ", ".join(f"{m} {v:.1f}" for m, v in tokens_per_s.items()))
-    best = max(("none", *speculative[:-1]), key=lambda m: tokens_per_s[m]) if "auto" in runs else None
-    if best is not None:
-        lines.append(f"auto / best single method ({best}): {tokens_per_s['auto'] / tokens_per_s[best]:.3f}")
+    if "auto" in runs:
+        singles = [m for m in runs if m != "auto"]
+        for pool in ([m for m in singles if m in ("none", "draft", "ngram")], singles):
+            best = max(pool, key=lambda m: tokens_per_s[m])
+            lines.append(f"auto / best of {', '.join(pool)} ({best}): {tokens_per_s['auto'] / tokens_per_s[best]:.3f}")
     same = {m: sum(runs[m].answers[k] == plain.answers[k] for k in plain.answers) for m in speculative}
     lines.append("greedy answers identical to plain decoding: "
                  + ", ".join(f"{m} {n}/{len(plain.answers)}" for m, n in same.items())
@@ -223,19 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Spec-Bench dev: {len(questions)} questions ({args.per_category} per category), greedy, "
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}
+    sessions = question_sessions(questions)
     for concurrency in args.concurrency:
-        runs = {}
-        for name, speculative in methods.items():
-            llm = warm_engine(config, concurrency, speculative)
-            if name == "none" and concurrency == args.concurrency[0]:
-                cost = verification_cost(llm, spec.gamma)
-                lines.append(f"dtype {str(llm.engine.dtype).replace('torch.', '')}: verifying {spec.gamma + 1} tokens "
-                             f"costs {cost:.2f} decode steps (batch 1)")
-                results["verify_cost"] = cost
-            runs[name] = run_engine(llm, questions, args.max_tokens, concurrency)
-            print(f"{name} at concurrency {concurrency}: {runs[name].pooled('tokens')} tokens in "
-                  f"{runs[name].wall:.1f} s", file=sys.stderr, flush=True)
-            del llm
+        llms = {name: warm_engine(config, concurrency, speculative) for name, speculative in methods.items()}
+        if concurrency == args.concurrency[0]:
+            cost = verification_cost(llms["none"], spec.gamma)
+            lines.append(f"dtype {str(llms['none'].engine.dtype).replace('torch.', '')}: verifying {spec.gamma + 1} "
+                         f"tokens costs {cost:.2f} decode steps (batch 1)")
+            results["verify_cost"] = cost
+        runs = run_lockstep(llms, sessions, args.max_tokens)
+        del llms
+        for name, run in runs.items():
+            print(f"{name} at concurrency {concurrency}: {run.pooled('tokens')} tokens in {run.wall:.1f} s",
+                  file=sys.stderr, flush=True)
         lines += report(runs, concurrency, categories)
         results[f"c{concurrency}"] = {m: {"tokens": r.pooled("tokens"), "seconds": r.wall,
                                           "proposed": r.pooled("proposed"), "accepted": r.pooled("accepted"),

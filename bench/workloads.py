@@ -17,9 +17,10 @@ The workloads are built here, deterministically (--seed), from what every instal
 - chat: the Spec-Bench development questions (../shared/data/spec_bench/question_dev.jsonl), the
   first --chat-per-category of each category, turn by turn.
 
-Sessions run turn by turn; at concurrency 1 each request alone, else every session's next turn
-submitted together with `concurrency` in flight. Each method gets a fresh engine, so the suffix
-proposer's shared cache starts empty and fills only with this run's earlier outputs.
+Sessions run turn by turn, each session's next turn submitted as soon as its answer is in, with
+`concurrency` requests in flight. The methods run in lock-step, one engine step of each in turn
+(conversations.py). Each method has its own engine, so the suffix proposer's shared cache starts
+empty and fills only with this run's earlier outputs.
 """
 from __future__ import annotations
 
@@ -29,30 +30,16 @@ import importlib.util
 import json
 import random
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import QUESTIONS, Run, chat_ids, load_questions, ratio, warm_engine  # noqa: E402
+from conversations import (QUESTIONS, Run, Session, load_questions, question_sessions,  # noqa: E402
+                           run_lockstep, warm_engine)
+from spec_bench import ratio  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
 from server.config import load_config  # noqa: E402
-
-
-@dataclass
-class Session:
-    """A conversation: the opening messages, then after each model answer but the last, the
-    messages that follow it (a tool result, the next user turn)."""
-    category: str
-    messages: list[dict]
-    followups: list[list[dict]] = field(default_factory=list)
-
-    @property
-    def num_turns(self) -> int:
-        return len(self.followups) + 1
 
 
 # ---- agent loop ------------------------------------------------------------------------------
@@ -174,37 +161,10 @@ def code_sessions(num_prompts: int, seed: int) -> list[Session]:
 # ---- chat ------------------------------------------------------------------------------------
 
 def chat_sessions(per_category: int) -> list[Session]:
-    sessions = []
-    for q in load_questions(QUESTIONS, per_category):
-        followups = [[{"role": "user", "content": turn}] for turn in q["turns"][1:]]
-        sessions.append(Session("chat", [{"role": "user", "content": q["turns"][0]}], followups))
-    return sessions
+    return question_sessions(load_questions(QUESTIONS, per_category))
 
 
 # ---- running ---------------------------------------------------------------------------------
-
-def run_sessions(llm: LLM, sessions: list[Session], max_tokens: int, concurrency: int) -> Run:
-    """Turn by turn: each answer joins its session's context before the next turn."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    histories = [list(s.messages) for s in sessions]
-    run = Run()
-    start = time.perf_counter()
-    for turn in range(max(s.num_turns for s in sessions)):
-        active = [i for i, s in enumerate(sessions) if turn < s.num_turns]
-        prompts = [chat_ids(llm.tokenizer, histories[i]) for i in active]
-        if concurrency == 1:
-            outputs = [out for prompt in prompts for out in llm.generate([prompt], params)]
-        else:
-            outputs = llm.generate(prompts, params)
-        for i, output in zip(active, outputs):
-            run.add(sessions[i].category, output)
-            run.answers[(i, turn)] = output.token_ids
-            histories[i].append({"role": "assistant", "content": output.text})
-            if turn < len(sessions[i].followups):
-                histories[i] += sessions[i].followups[turn]
-    run.wall = time.perf_counter() - start
-    return run
-
 
 def methods(spec, gamma: int) -> dict[str, dict | None]:
     """Each single proposer at a static gamma, and auto: the controller routing between all of them."""
@@ -267,13 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads.split(","):
         sessions = builders[workload]()
         for concurrency in args.concurrency:
-            runs = {}
-            for method, speculative in wanted.items():
-                llm = warm_engine(config, concurrency, speculative)
-                runs[method] = run_sessions(llm, sessions, args.max_tokens, concurrency)
-                print(f"{workload} c{concurrency} {method}: {runs[method].pooled('tokens')} tokens in "
-                      f"{runs[method].wall:.1f} s", file=sys.stderr, flush=True)
-                del llm
+            llms = {method: warm_engine(config, concurrency, speculative) for method, speculative in wanted.items()}
+            runs = run_lockstep(llms, sessions, args.max_tokens)
+            del llms
+            for method, run in runs.items():
+                print(f"{workload} c{concurrency} {method}: {run.pooled('tokens')} tokens in {run.wall:.1f} s",
+                      file=sys.stderr, flush=True)
             block, figures = table(f"{workload} ({len(sessions)} sessions, "
                                    f"{sum(s.num_turns for s in sessions)} requests)", concurrency, runs)
             lines += block

@@ -1,6 +1,7 @@
 """The engine: one visible loop, schedule -> propose -> verify -> accept -> update."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -145,8 +146,10 @@ class Engine:
 
     def _pending_prefill(self, num_decoding: int) -> int:
         """Prompt tokens likely to share the next pass with the decodes (for the step-time estimate)."""
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running if r.num_output_tokens == 0)
-        pending += sum(r.num_tokens for r in self.scheduler.waiting)
+        scheduler = self.scheduler
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running if r.num_output_tokens == 0)
+        free_slots = max(0, scheduler.max_num_seqs - len(scheduler.running))   # only these can be admitted
+        pending += sum(r.num_tokens for r in itertools.islice(scheduler.waiting, free_slots))
         return max(0, min(pending, self.config.max_num_batched_tokens - num_decoding))
 
     def _learn(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, verify_time: float) -> None:

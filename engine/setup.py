@@ -158,8 +158,8 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
                max_batch: int, gamma: int) -> None:
     """Time, through the real verification path on scratch blocks: plain greedy decode steps at batch
     1, 2, 4, ... (the plain-step timer and the cost model's plain curve), verification passes of
-    2 and gamma + 1 tokens per request at the same batches (its verification curves, one per
-    batch), and draft forwards."""
+    2, gamma / 2 + 1 and gamma + 1 tokens per request at the same batches (its verification curves,
+    one per batch), and draft forwards."""
     context = 2 * pool.block_size
     max_batch = min(max_batch, pool.num_free_blocks // 4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -198,7 +198,7 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
         seconds = target_pass(batch, 0)
         timer.seconds[batch] = seconds
         costs.plain.calibrate(batch, seconds)
-        for lookahead in sorted({1, gamma}):   # verification curves per batch: one and gamma drafts each
+        for lookahead in sorted({1, max(1, gamma // 2), gamma}):   # verification curves per batch: 1, gamma/2, gamma drafts each
             costs.calibrate_verify(batch, batch * (lookahead + 1), target_pass(batch, lookahead))
         batch *= 2
     if draft is not None:

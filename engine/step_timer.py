@@ -35,51 +35,56 @@ class PlainStepTimer:
 
 class CostCurve:
     """Seconds of one forward pass as a function of the rows (tokens) it processes: moving averages
-    per power-of-two bucket of rows, made non-decreasing (timings are noisy; more rows never cost
-    less) from above, interpolated linearly in between and extrapolated past the largest bucket."""
+    per power-of-two bucket of rows, each at the average rows it was measured at (a bucket filled by
+    passes of 80 rows is a point at 80, not at 128: treating it as 128 made everything between the
+    buckets look cheap), made non-decreasing (timings are noisy; more rows never cost less) from
+    above, interpolated linearly in between and extrapolated past the largest point."""
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
-        self.seconds: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}   # bucket -> seconds
+        self.rows: dict[int, float] = {}      # bucket -> the rows those seconds were measured at
 
     def observe(self, rows: int, seconds: float) -> None:
-        """Move the bucket's estimate towards one timing. A bucket seen for the first time starts
-        from the curve's current value there (a new shape's first pass is often slow: kernel
-        creation, allocation), and one timing moves an estimate by at most half of it, so a
-        stall never sets the curve."""
+        """Move the bucket's estimate towards one timing; one timing moves an estimate by at most
+        half of it, so a stall never sets the curve. A bucket seen for the first time takes the
+        timing or the curve's current value there, whichever is lower: a new shape's first pass is
+        often slow (kernel creation, allocation), and far past the measured points the curve's
+        extrapolation can be far too high (prefill chunks past calibrated decode batches)."""
         b = PlainStepTimer.bucket(rows)
         old = self.seconds.get(b)
         if old is None:
-            if not self.seconds:
-                self.seconds[b] = seconds
-                return
-            old = self(b)
+            estimate = self(rows)
+            self.calibrate(rows, min(seconds, estimate) if self.seconds else seconds)
+            return
         seconds = min(seconds, 1.5 * old)
         self.seconds[b] = old + self.smoothing * (seconds - old)
+        self.rows[b] += self.smoothing * (rows - self.rows[b])
 
     def calibrate(self, rows: int, seconds: float) -> None:
         """Set a bucket from a start-up measurement (the fastest of several passes)."""
-        self.seconds[PlainStepTimer.bucket(rows)] = seconds
+        b = PlainStepTimer.bucket(rows)
+        self.seconds[b], self.rows[b] = seconds, float(rows)
 
     def __call__(self, rows: int) -> float:
         if rows <= 0 or not self.seconds:
             return 0.0
-        # Non-decreasing by the lowest reading at or above each bucket: timings only err upwards, so
+        # Non-decreasing by the lowest reading at or above each point: timings only err upwards, so
         # a slow outlier at a small bucket must not lift every bigger one.
         points, lowest = [], float("inf")
-        for x, y in sorted(self.seconds.items(), reverse=True):
-            lowest = min(lowest, y)
-            points.append((x, lowest))
+        for b in sorted(self.seconds, reverse=True):
+            lowest = min(lowest, self.seconds[b])
+            points.append((self.rows[b], lowest))
         points.reverse()
         if rows <= points[0][0]:
             return points[0][1]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
             if rows <= x1:
-                return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+                return y0 + (y1 - y0) * (rows - x0) / max(x1 - x0, 1e-9)
         if len(points) == 1:
             return points[0][1] * rows / points[0][0]
         (x0, y0), (x1, y1) = points[-2:]
-        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (rows - x1)
+        return y1 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (rows - x1)
 
     @property
     def ready(self) -> bool:

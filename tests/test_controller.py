@@ -61,8 +61,9 @@ def test_high_acceptance_and_cheap_verification_plan_the_maximum():
 
 def test_draft_length_shrinks_smoothly_as_the_batch_grows():
     """A CPU-like cost: each verified token costs 0.5 ms more. k falls with the batch one step at a
-    time, never from the maximum to nothing at a threshold."""
-    controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005)), {"draft": 0.8})
+    time, never from the maximum to nothing at a threshold. (Exploration off: its draws would give
+    new requests different k; the shape under test is the plan's for given estimates.)"""
+    controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005), explore=False), {"draft": 0.8})
     ks = []
     for batch in range(1, 65):
         plan = set(plan_k(controller, batch))
@@ -105,6 +106,40 @@ def test_workload_shift_turns_drafting_down_and_back_up():
     assert sum(ks[130:200]) <= 0.25 * sum(ks[50:100])        # and stays down
     up = next(i for i in range(200, 300) if ks[i] >= 3)
     assert up - 200 <= 40, ks[200:260]                       # back up once a probe succeeds
+
+
+def test_exploration_recovers_from_an_unlucky_start():
+    """Acceptance is 0.7, but the first judged drafts of every request in a batch of 4 were
+    unlucky (2 of 8), so every estimate says drafting does not pay. A verification-shaped pass
+    costs 4 ms more than a plain one (as on CPUs), which makes probes dear: without exploration the
+    batch stays at k = 0; with it, the requests draft again within a few steps and keep drafting."""
+    model = costs(0.002)
+    for tokens in (1, 2, 4, 8):
+        model.plain.calibrate(tokens, 0.030 + 0.0005 * tokens)
+    for tokens in (8, 16, 32, 64):
+        model.calibrate_verify(4, tokens, 0.028 + 0.001 * tokens)
+
+    def run(explore: bool) -> list[int]:
+        controller = SpecController(["draft"], MAX_K, model, explore=explore)
+        rng = random.Random(3)
+        rids = [f"r{i}" for i in range(4)]
+        for rid in rids:
+            controller.plan([(rid, {"draft": MAX_K}, {"draft": 0})])   # first looks
+            controller.observe(rid, "draft", 2, 1 if rid in ("r0", "r1") else 0)
+            controller.observe(rid, "draft", 2, 0)
+        drafted = []
+        for _ in range(60):
+            plans = controller.plan([(rid, {"draft": MAX_K}, {"draft": 0}) for rid in rids])
+            drafted.append(sum(p.k for p in plans.values() if not p.probe))
+            for rid, p in plans.items():
+                accepted = 0
+                while accepted < p.k and rng.random() < 0.7:
+                    accepted += 1
+                controller.observe(rid, p.method, p.k, accepted)
+        return drafted
+    assert sum(run(explore=False)[:30]) == 0
+    exploring = run(explore=True)
+    assert sum(exploring[:10]) > 0 and min(exploring[30:]) > 0 and sum(exploring[30:]) >= 4 * 30
 
 
 def test_static_mode_always_drafts_the_maximum():
@@ -238,10 +273,11 @@ def test_catch_up_is_priced_once_per_request():
 
 def test_failed_probes_cost_at_most_the_exploration_budget():
     """Acceptance 0: every probe fails. Over 400 steps the probes' extra time stays within
-    EXPLORATION of the plain decoding time (plus the first probe and the saved-up credit)."""
+    EXPLORATION of the plain decoding time (plus the first probe and the saved-up credit).
+    (Exploration draws off: this bounds the probes alone.)"""
     from engine.spec_decode.controller import EXPLORATION, MAX_CREDIT_STEPS
     model = costs(0.0003)
-    controller = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.0})
+    controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
     probes = 0
     for _ in range(400):
         plan = controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"]
@@ -264,3 +300,38 @@ def test_cost_curve_is_monotone_from_above():
     assert curve(2) == pytest.approx(0.012) and curve(4) == pytest.approx(0.012)
     assert curve(6) == pytest.approx(0.014) and curve(16) == pytest.approx(0.024)
     assert all(curve(r) <= curve(r + 1) for r in range(1, 40))
+
+
+def test_cost_curve_points_sit_at_the_rows_they_were_measured_at():
+    """Sixteen sequences with four drafts each are 80 rows: the point is at 80, not at its bucket's
+    128 (which made everything between the buckets look cheap). A bucket first seen far past the
+    measured points takes the timing, not the curve's extrapolation."""
+    from engine.step_timer import CostCurve
+    curve = CostCurve()
+    curve.calibrate(32, 0.100)
+    curve.calibrate(80, 0.250)
+    assert curve(80) == pytest.approx(0.250) and curve(56) == pytest.approx(0.175)
+    decode = CostCurve()
+    decode.calibrate(1, 0.050)
+    decode.observe(32, 0.080)   # a prefill chunk: extrapolating the single point says 1.6 s
+    assert decode(32) == pytest.approx(0.080)
+    decode.observe(64, 5.0)     # a stall on a new shape: held at the curve's estimate
+    assert decode(64) < 0.2
+
+
+def test_waiting_requests_count_as_prefill_only_when_they_can_be_admitted(pair):
+    """With every sequence slot taken, waiting prompts cannot join the next pass, so they must not
+    make the controller think the pass is big (and drafts nearly free)."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    target, draft = pair
+    engine = Engine(EngineConfig(model=target, dtype="float32", max_num_seqs=1,
+                                 speculative={"method": "auto", "model": draft, "num_speculative_tokens": 4}))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    assert engine._pending_prefill(0) == len(PROMPTS[0])   # one free slot: only the first prompt counts
+    engine.step()   # the first request's prefill; the others wait for its slot
+    assert len(engine.scheduler.running) == 1 and len(engine.scheduler.waiting) == len(PROMPTS) - 1
+    assert engine._pending_prefill(1) == 0
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -24,6 +24,12 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   plain decoding; probes that win pay for themselves, so once acceptance is back they run every
   step until the plan drafts again. A request without history of its own gets one free probe at
   once. At most one request in eight probes in a step.
+- Estimates from a few judged tokens can be unluckily low, and a request that stops drafting stops
+  learning. So a request that planned no drafts last step explores as a bandit does (optimistic
+  Thompson sampling): the plan uses a draw from its acceptance posterior (the estimate's mean and
+  its pseudo-count of judged tokens) when the draw is above the mean. One near the break-even with
+  little evidence drafts again now and then; one whose estimate rests on many tokens, or is far
+  from paying off, almost never does. Requests that draft learn every step and plan on the mean.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
   needed (or `draft_p_min`, when configured).
@@ -32,6 +38,7 @@ Bookkeeping only: no tensors here.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from engine.step_timer import StepCostModel
@@ -105,6 +112,11 @@ class DecayedCounts:
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + weight * prior) / (self.judged + weight)
 
+    def draw(self, prior: float, weight: float, rng: random.Random) -> float:
+        """One draw from the Beta posterior of the rate, optimistic: never below its mean."""
+        mean, n = self.rate(prior, weight), self.judged + weight
+        return max(mean, rng.betavariate(max(mean * n, 1e-3), max((1.0 - mean) * n, 1e-3)))
+
 
 @dataclass
 class RequestSpecState:
@@ -112,11 +124,12 @@ class RequestSpecState:
     counts: dict[str, DecayedCounts] = field(default_factory=dict)
     credit: float | None = None    # exploration budget in seconds (None: new, due one probe at once)
     probe: tuple[float, float] | None = None   # the probe in flight: (its extra seconds, seconds per plain token)
+    idle: bool = False   # planned no drafts last step (a probe's one token is little evidence)
 
 
 class SpecController:
     def __init__(self, methods: list[str], max_k: int, costs: StepCostModel, adaptive: bool = True,
-                 draft_p_min: float | None = None):
+                 draft_p_min: float | None = None, explore: bool = True, seed: int = 0):
         self.methods = list(methods)
         self.max_k = max_k
         self.costs = costs
@@ -126,6 +139,9 @@ class SpecController:
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
         self._probes_left = 0
+        self.explore = explore
+        self._rng = random.Random(seed)      # exploration draws (they choose k, never tokens)
+        self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
 
     # ---- estimates ---------------------------------------------------------------
     def acceptance(self, request_id: str, method: str) -> float:
@@ -134,9 +150,22 @@ class SpecController:
         counts = state.counts.get(method) if state else None
         return counts.rate(prior, PRIOR_WEIGHT) if counts else prior
 
+    def planning_rate(self, request_id: str, method: str) -> float:
+        """The acceptance this step's plan uses: the estimate, or for an idle request an optimistic
+        draw from its posterior (drawn once per plan, so choosing the proposer and k agree)."""
+        key = (request_id, method)
+        if key not in self._rates:
+            prior = self.global_counts[method].rate(prior=0.5, weight=1.0)
+            state = self.states.get(request_id)
+            counts = (state.counts.get(method) if state else None) or DecayedCounts(REQUEST_DECAY)
+            explore = self.explore and state is not None and state.idle
+            self._rates[key] = counts.draw(prior, PRIOR_WEIGHT, self._rng) if explore \
+                else counts.rate(prior, PRIOR_WEIGHT)
+        return self._rates[key]
+
     def gains(self, request_id: str, method: str, k: int) -> list[float]:
-        """Marginal expected tokens of draft 1..k: a^j."""
-        a = self.acceptance(request_id, method)
+        """Marginal expected tokens of draft 1..k: a^j, a the planning rate."""
+        a = self.planning_rate(request_id, method)
         return [a ** j for j in range(1, k + 1)]
 
     # ---- the plan ------------------------------------------------------------------
@@ -151,6 +180,7 @@ class SpecController:
                 {rid: p.method for rid, p in plans.items()}, {rid: lag for rid, _, lag in candidates})
             return plans
         self._probes_left = -(-len(candidates) // PROBES_PER_REQUESTS)
+        self._rates = {}
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens, [])
         # Plan as if the pass verifies drafts (its shape costs more than a plain pass of as many
@@ -234,6 +264,7 @@ class SpecController:
     def _finish(self, rid: str, caps: dict[str, int], lag: dict[str, int], method: str | None, k: int,
                 marginal_gain: float, prices: "ProbePrices") -> Plan:
         state = self.states.setdefault(rid, RequestSpecState())
+        state.idle = k == 0
         if k == 0:
             return self._probe(rid, caps, lag, state, prices) or NO_PLAN
         if state.credit is None:
