@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-per-category", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--methods", default="none,draft,ngram,suffix,auto")
+    p.add_argument("--methods", default="none,draft,ngram,suffix,auto",
+                   help="comma-separated; method@gamma runs a method at its own gamma (e.g. ngram@8)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -220,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     builders = {"agent": lambda: agent_sessions(args.agent_sessions, args.agent_turns, args.seed),
                 "code": lambda: code_sessions(args.code_prompts, args.seed),
                 "chat": lambda: chat_sessions(args.chat_per_category)}
-    wanted = {m: s for m, s in methods(config.speculative, args.gamma).items() if m in args.methods.split(",")}
+    wanted = {}
+    for name in args.methods.split(","):   # "ngram@8": n-gram at gamma 8, beside the others at --gamma
+        method, _, gamma = name.partition("@")
+        wanted[name] = methods(config.speculative, int(gamma) if gamma else args.gamma)[method]
     lines = [f"# Workloads on {config.model} (draft {config.speculative.model}), greedy, max_tokens "
              f"{args.max_tokens}, gamma {args.gamma}"]
     results: dict = {}

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 PROPOSERS = ("draft", "ngram", "suffix")
 SPEC_METHODS = ("auto", *PROPOSERS, "none")
-MAX_SPEC_TOKENS = 16
+MAX_SPEC_TOKENS = 32
 
 
 def check_model_path(path: str, what: str) -> None:
@@ -33,6 +33,8 @@ class SpeculativeConfig:
     suffix_cache_tokens: int = 1 << 16  # suffix: recent requests' outputs kept for all requests (0: none)
     suffix_min_prob: float = 0.1      # suffix: stop once the continuation's empirical probability falls below
     suffix_min_score: int = 2         # suffix: draft only when match length x frequency reaches this
+    suffix_spec_factor: float = 1.0   # suffix: draft at most this many tokens per matched token (a long
+                                      # match is a copy worth drafting far; a short one is a guess)
     dtype: str | None = None          # draft dtype; None: the target's
 
     def __post_init__(self):
@@ -68,6 +70,8 @@ class SpeculativeConfig:
                 raise ValueError(f"suffix_cache_tokens must be an integer >= 0, got {self.suffix_cache_tokens!r}")
             if not 0.0 <= self.suffix_min_prob <= 1.0:
                 raise ValueError(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob}")
+            if not isinstance(self.suffix_spec_factor, (int, float)) or not self.suffix_spec_factor > 0:
+                raise ValueError(f"suffix_spec_factor must be a number > 0, got {self.suffix_spec_factor!r}")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature must be >= 0, got {self.draft_temperature}")
         if self.draft_p_min is not None and not 0.0 <= self.draft_p_min <= 1.0:

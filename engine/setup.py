@@ -118,7 +118,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         proposers["ngram"] = NgramProposer(spec.ngram_min, spec.ngram_max)
     if "suffix" in spec.proposers:
         proposers["suffix"] = SuffixProposer(spec.suffix_max_match, spec.suffix_cache_tokens, spec.suffix_min_prob,
-                                             spec.suffix_min_score)
+                                             spec.suffix_min_score, spec.suffix_spec_factor)
     router = Router(proposers, hf_config.vocab_size)
     controller = SpecController(list(proposers), spec.gamma, costs, spec.adaptive, spec.draft_p_min)
 

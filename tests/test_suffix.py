@@ -50,6 +50,18 @@ def test_min_prob_cuts_the_walk():
     assert index.lookup([1, 2], k=4, max_match=8, min_prob=0.3).token_ids == [5, 0]   # newest of the tie
 
 
+def test_draft_length_follows_the_match_length():
+    """spec_factor x match length caps the draft: a long match is a copy in progress, a short one a guess."""
+    passage = list(range(10, 40))
+    index = index_of(passage)
+    short = index.lookup([7, 8, 10, 11], k=24, max_match=24, min_prob=0.1, spec_factor=1.0)
+    assert short.match_length == 2 and short.token_ids == passage[2:4]
+    long = index.lookup([7] + passage[:12], k=24, max_match=24, min_prob=0.1, spec_factor=1.0)
+    assert long.match_length == 12 and long.token_ids == passage[12:24]
+    wide = index.lookup([7] + passage[:12], k=24, max_match=24, min_prob=0.1, spec_factor=2.0)
+    assert wide.token_ids == passage[12:]   # up to k, and the document's end
+
+
 def test_matches_agree_with_brute_force():
     rng = random.Random(0)
     docs = [[rng.randrange(6) for _ in range(rng.randrange(5, 40))] for _ in range(30)]
@@ -105,7 +117,7 @@ def _request(rid: str, prompt: list[int]) -> Request:
 
 
 def test_proposer_shares_finished_outputs_across_requests():
-    proposer = SuffixProposer(max_match=16, cache_tokens=1000, min_prob=0.1, min_score=2)
+    proposer = SuffixProposer(max_match=16, cache_tokens=1000, min_prob=0.1, min_score=2, spec_factor=2.0)
     first = _request("a", [1, 2, 3])
     answer = [40, 41, 42, 43, 44, 45, 46, 47]
     assert proposer.max_drafts(first, 4) == 0

@@ -25,11 +25,12 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   step until the plan drafts again. A request without history of its own gets one free probe at
   once. At most one request in eight probes in a step.
 - Estimates from a few judged tokens can be unluckily low, and a request that stops drafting stops
-  learning. So a request that planned no drafts last step explores as a bandit does (optimistic
-  Thompson sampling): the plan uses a draw from its acceptance posterior (the estimate's mean and
-  its pseudo-count of judged tokens) when the draw is above the mean. One near the break-even with
-  little evidence drafts again now and then; one whose estimate rests on many tokens, or is far
-  from paying off, almost never does. Requests that draft learn every step and plan on the mean.
+  learning. So a request that planned no drafts last step, and has judged fewer than PRIOR_WEIGHT
+  tokens of its own, explores as a bandit does (optimistic Thompson sampling): the plan uses a
+  draw from its acceptance posterior (the estimate's mean and its pseudo-count of judged tokens)
+  when the draw is above the mean. One near the break-even drafts again now and then until its
+  own evidence counts; one far from paying off almost never does. Requests that draft learn every
+  step and plan on the mean; those with evidence of their own are watched by probes.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
   needed (or `draft_p_min`, when configured).
@@ -151,14 +152,17 @@ class SpecController:
         return counts.rate(prior, PRIOR_WEIGHT) if counts else prior
 
     def planning_rate(self, request_id: str, method: str) -> float:
-        """The acceptance this step's plan uses: the estimate, or for an idle request an optimistic
-        draw from its posterior (drawn once per plan, so choosing the proposer and k agree)."""
+        """The acceptance this step's plan uses: the estimate, or for an idle request with thin
+        evidence an optimistic draw from its posterior (drawn once per plan, so choosing the
+        proposer and k agree)."""
         key = (request_id, method)
         if key not in self._rates:
             prior = self.global_counts[method].rate(prior=0.5, weight=1.0)
             state = self.states.get(request_id)
             counts = (state.counts.get(method) if state else None) or DecayedCounts(REQUEST_DECAY)
-            explore = self.explore and state is not None and state.idle
+            # Only thin evidence is worth a gamble: past PRIOR_WEIGHT judged tokens of its own the
+            # estimate is the request's, and probes watch it for shifts.
+            explore = self.explore and state is not None and state.idle and counts.judged < PRIOR_WEIGHT
             self._rates[key] = counts.draw(prior, PRIOR_WEIGHT, self._rng) if explore \
                 else counts.rate(prior, PRIOR_WEIGHT)
         return self._rates[key]

@@ -14,7 +14,9 @@ walks forward along the most frequent
 continuation: at each step the share of the kept occurrences that agree is the empirical
 probability of the next token, and drafting stops once the product of those probabilities falls
 below `min_prob`. The draft's score is match length x frequency (how long the match and how many
-occurrences back its first token); below `min_score` it drafts nothing. Of the two indexes the one
+occurrences back its first token); below `min_score` it drafts nothing. Its length is at most
+`spec_factor` x the match length (as SuffixDecoding does): a match of 20 tokens is a copy in
+progress, worth drafting far; a match of 2 is a guess. Of the two indexes the one
 whose draft has more expected accepted tokens wins. The controller's confidence stop (the plan's
 p_min) cuts the draft where its cumulative probability falls below the bar, as it cuts a draft
 model's by the model's own probabilities.
@@ -23,6 +25,7 @@ Bookkeeping only: no tensors here.
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from dataclasses import dataclass
 
@@ -117,9 +120,11 @@ class SuffixIndex:
         i = bisect_right(self.doc_ends, position)
         return self.doc_ends[i - 1] if i > 0 else self.base
 
-    def lookup(self, context: list[int], k: int, max_match: int, min_prob: float) -> SuffixDraft:
-        """Up to k tokens that followed the longest occurrences of context's suffix that have a
-        token after them (when the context is this index's open document, its own end has none)."""
+    def lookup(self, context: list[int], k: int, max_match: int, min_prob: float,
+               spec_factor: float | None = None) -> SuffixDraft:
+        """Up to k tokens (and at most spec_factor x the match length) that followed the longest
+        occurrences of context's suffix that have a token after them (when the context is this
+        index's open document, its own end has none)."""
         if k <= 0 or not context:
             return NO_DRAFT
         candidates, q = [], min(self.max_q, len(context))
@@ -132,6 +137,8 @@ class SuffixIndex:
         lengths = [self._match_length(context, p, max_match) for p in candidates]
         longest = max(lengths)
         kept = [p + 1 for p, n in zip(candidates, lengths) if n == longest]   # where each continuation starts
+        if spec_factor is not None:
+            k = min(k, max(1, math.ceil(spec_factor * longest)))
         return self._follow(kept, longest, k, min_prob)
 
     def _match_length(self, context: list[int], position: int, max_match: int) -> int:
@@ -191,8 +198,9 @@ class SuffixProposer:
     method = "suffix"
 
     def __init__(self, max_match: int = 24, cache_tokens: int = 1 << 16, min_prob: float = 0.1,
-                 min_score: int = 2, max_q: int = 3):
+                 min_score: int = 2, spec_factor: float = 1.0, max_q: int = 3):
         self.max_match, self.min_prob, self.min_score = max_match, min_prob, min_score
+        self.spec_factor = spec_factor
         self.max_q = max_q
         self.shared = SharedSuffixCache(cache_tokens, max_q)
         self._own: dict[str, tuple[SuffixIndex, int]] = {}          # request id -> (its index, prompt length)
@@ -239,8 +247,8 @@ class SuffixProposer:
             return cached[2]
         index = self._index(request)
         context = request.token_ids
-        own = index.lookup(context, k, self.max_match, self.min_prob)
-        shared = self.shared.index.lookup(context, k, self.max_match, self.min_prob)
+        own = index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
+        shared = self.shared.index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
         best = max((own, shared), key=lambda d: (d.expected_accepted, d is own))
         if best.score < self.min_score:
             best = NO_DRAFT
