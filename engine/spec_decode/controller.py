@@ -15,7 +15,9 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   with the most expected tokens per added second, while that raises the step's tokens per second
   (a request's first tokens are ranked together when its catch-up makes one alone not worth it).
   Marginal gains fall with k and the bar (the step's current tokens per second) rises with the
-  batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff.
+  batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff. A plan that
+  promises less than HURDLE (5%) more goodput than plain decoding is dropped: predicted step times
+  err by about that much, and in a close call plain decoding cannot lose.
 - A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, a free
   one when there is one, else the draft model, its catch-up priced in), so it notices when
   acceptance comes back. Probing is paid from an exploration budget: each step adds EXPLORATION of
@@ -50,6 +52,8 @@ GLOBAL_DECAY = 0.995      # per judged draft token (of any request): the engine-
 EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
 MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is capped at this many plain steps
+HURDLE = 0.05             # a plan must promise this much more goodput than plain decoding: the cost model
+                          # errs by about as much, and plain decoding is the safe side of a close call
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,7 @@ class SpecController:
         bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
         time = self.predicted_time(base_tokens, ks, methods, {rid: lag for rid, _, lag in candidates}) \
             if ks else plain_time
-        if ks and expected / time < len(candidates) / plain_time:   # the exact costs say plain is better
+        if ks and expected / time < (1.0 + HURDLE) * len(candidates) / plain_time:   # plain is (about) as good
             ks, time = {}, plain_time
         self.last_predicted_time = time
         prices = ProbePrices(plain_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
