@@ -11,6 +11,9 @@ The workloads are built here, deterministically (--seed), from what every instal
   the model answers with a tool call, which stays in the context, followed by the tool's JSON
   result; the next turn asks for the next call. Two worked turns open every session, so the
   answers have the repeated structure agent traffic has.
+- agent-cold (not in the default set): the same without worked turns. A session's first call has
+  no example in its own context, only in other sessions' outputs: what a cache shared across
+  requests is for.
 - code: "apply this change" prompts over functions taken from Python source shipped in installed
   packages (stdlib, httpx, pydantic, ...): rename an identifier, add a docstring, or add type
   hints; the answer rewrites the whole function, so it copies most of it.
@@ -89,7 +92,7 @@ def _result(rng: random.Random, call: dict) -> dict:
     return {"status": "ok", "amount": round(args["amount"] * rng.uniform(0.8, 1.2), 2), "currency": args["to"]}
 
 
-def agent_sessions(num_sessions: int, turns: int, seed: int) -> list[Session]:
+def agent_sessions(num_sessions: int, turns: int, seed: int, worked_turns: int = 2) -> list[Session]:
     rng = random.Random(seed)
     system = ("You are a travel agent that acts only through tools. Reply to every message with exactly one "
               "tool call as a JSON object {\"tool\": <name>, \"arguments\": {...}} and nothing else. Tools:\n"
@@ -100,7 +103,7 @@ def agent_sessions(num_sessions: int, turns: int, seed: int) -> list[Session]:
         task = (f"Plan a trip from {cities[0]} to {cities[1]} and then {cities[2]}: check the weather, find "
                 f"flights, book hotels and convert the budget to EUR. One tool call per message.")
         messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
-        for _ in range(2):   # worked turns: the structure the answers repeat
+        for _ in range(worked_turns):   # worked turns: the structure the answers repeat
             call = _call(rng, rng.choice(TOOLS))
             messages += [{"role": "assistant", "content": json.dumps(call)},
                          {"role": "user", "content": "Tool result: " + json.dumps(_result(rng, call))
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, environ={}).engine
     builders = {"agent": lambda: agent_sessions(args.agent_sessions, args.agent_turns, args.seed),
                 "code": lambda: code_sessions(args.code_prompts, args.seed),
+                "agent-cold": lambda: agent_sessions(args.agent_sessions, args.agent_turns, args.seed + 1, 0),
                 "chat": lambda: chat_sessions(args.chat_per_category)}
     wanted = {}
     for name in args.methods.split(","):   # "ngram@8": n-gram at gamma 8, beside the others at --gamma

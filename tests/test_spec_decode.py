@@ -10,7 +10,7 @@ from helpers import make_tiny_checkpoint, pooled_chisquare
 
 import engine.verify
 from engine import SamplingParams
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import MAX_SPEC_TOKENS, EngineConfig, SpeculativeConfig
 from engine.engine import Engine
 from engine.spec_decode.rejection import rejection_sample
 
@@ -205,8 +205,8 @@ def test_seeded_speculative_output_is_independent_of_the_batch(paths, prompts, p
 
 
 def test_bad_speculative_configs_fail_at_start_up(paths, tmp_path):
-    for gamma in (0, 17):
-        with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in 1..16"):
+    for gamma in (0, MAX_SPEC_TOKENS + 1):
+        with pytest.raises(ValueError, match=f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}"):
             SpeculativeConfig(method="ngram", num_speculative_tokens=gamma)
     with pytest.raises(ValueError, match="speculative method must be one of"):
         SpeculativeConfig(method="medusa-ish")
