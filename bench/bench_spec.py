@@ -206,7 +206,7 @@ def workload_shift(target, draft, dtype, prompt, continuation, new_tokens: int) 
     high_again = next(i for i in range(low_start, len(phases)) if phases[i] == 0.9)
     down = next((i - low_start for i in range(low_start, high_again) if all(k <= 1 for k in ks[i:i + 5])), None)
     up = next((i - high_again for i in range(high_again, len(ks)) if ks[i] >= 3), None)
-    print(f"\n3. workload shift (one stream, acceptance 0.9 -> 0.1 -> 0.9): draft length per step\n   "
+    print("\n3. workload shift (one stream, acceptance 0.9 -> 0.1 -> 0.9): draft length per step\n   "
           + " ".join(str(k) for k in ks))
     print(f"   turned down (k <= 1) {down} steps after acceptance fell; back to k >= 3 {up} steps after it returned")
 

@@ -145,6 +145,7 @@ class SpecController:
         self.last_predicted_time: float | None = None
         self._probes_left = 0
         self.explore = explore
+        self.hurdle = HURDLE
         self._rng = random.Random(seed)      # exploration draws (they choose k, never tokens)
         self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
 
@@ -223,7 +224,7 @@ class SpecController:
         bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
         time = self.predicted_time(base_tokens, ks, methods, {rid: lag for rid, _, lag in candidates}) \
             if ks else plain_time
-        if ks and expected / time < (1.0 + HURDLE) * len(candidates) / plain_time:   # plain is (about) as good
+        if ks and expected / time < (1.0 + self.hurdle) * len(candidates) / plain_time:   # plain is (about) as good
             ks, time = {}, plain_time
         self.last_predicted_time = time
         prices = ProbePrices(plain_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
