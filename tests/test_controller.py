@@ -335,3 +335,28 @@ def test_waiting_requests_count_as_prefill_only_when_they_can_be_admitted(pair):
     assert engine._pending_prefill(1) == 0
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_no_lone_deep_draft_positions():
+    """A draft model runs one forward per draft position, whatever its rows: a position reached by
+    one request with a high estimate costs a whole forward. The plan keeps its deepest position only
+    when the exact step time says it pays."""
+    from engine.spec_decode.controller import DecayedCounts, REQUEST_DECAY, RequestSpecState
+    model = costs(0.0002, draft_forward=0.006)
+    controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.7})
+    rids = [f"r{i}" for i in range(8)]
+    for i, rid in enumerate(rids):   # one request far more predictable than the rest
+        counts = DecayedCounts(REQUEST_DECAY)
+        counts.observe(12, 12 if i == 0 else 6)
+        controller.states[rid] = RequestSpecState(counts={"draft": counts}, credit=0.0)
+    candidates = [(rid, {"draft": MAX_K}, {"draft": 0}) for rid in rids]
+    plans = controller.plan(candidates)
+    ks = {rid: p.k for rid, p in plans.items() if not p.probe}
+    methods, lags = {rid: "draft" for rid in rids}, {rid: {"draft": 0} for rid in rids}
+    def goodput(plan):
+        gain = sum(sum(controller.gains(rid, "draft", k)) for rid, k in plan.items())
+        return (len(rids) + gain) / controller.predicted_time(len(rids), plan, methods, lags)
+    depth = max(ks.values())
+    assert depth > 1
+    shallower = {rid: min(k, depth - 1) for rid, k in ks.items()}
+    assert goodput(ks) >= goodput(shallower)

@@ -220,16 +220,39 @@ class SpecController:
             while len(tokens) > 1 and tokens[-1][0] <= tokens[-1][1] * expected / time:
                 gain, seconds = tokens.pop()
                 expected, time = expected - gain, time - seconds
+        lags = {rid: lag for rid, _, lag in candidates}
+        expected = self._trim_deep_positions(taken, expected, base_tokens, methods, lags)
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
         bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
-        time = self.predicted_time(base_tokens, ks, methods, {rid: lag for rid, _, lag in candidates}) \
-            if ks else plain_time
+        time = self.predicted_time(base_tokens, ks, methods, lags) if ks else plain_time
         if ks and expected / time < (1.0 + self.hurdle) * len(candidates) / plain_time:   # plain is (about) as good
             ks, time = {}, plain_time
         self.last_predicted_time = time
         prices = ProbePrices(plain_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
         return {rid: self._finish(rid, caps, lag, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices)
                 for rid, caps, lag in candidates}
+
+    def _trim_deep_positions(self, taken: dict[str, list[tuple[float, float]]], expected: float,
+                             base_tokens: int, methods: dict, lags: dict) -> float:
+        """The greedy prices a model draft token at its share of a forward over every drafting
+        request, but the draft runs one sequential forward per position: the deepest positions,
+        reached by a few requests with the highest estimates, cost a whole forward each. Drop the
+        deepest position while the exact step time says goodput rises without it."""
+        while taken:
+            ks = {rid: len(tokens) for rid, tokens in taken.items()}
+            depth = max(ks.values())
+            deepest = [rid for rid, k in ks.items() if k == depth and k > 1]
+            if not deepest:
+                break
+            lost = sum(taken[rid][-1][0] for rid in deepest)
+            trimmed = {rid: k - 1 if rid in deepest else k for rid, k in ks.items()}
+            if (expected - lost) / self.predicted_time(base_tokens, trimmed, methods, lags) <= \
+                    expected / self.predicted_time(base_tokens, ks, methods, lags):
+                break
+            for rid in deepest:
+                taken[rid].pop()
+            expected -= lost
+        return expected
 
     def _choose_method(self, rid: str, caps: dict[str, int], lag: dict[str, int], batch: int,
                        base_time: float, per_token: float) -> str | None:
