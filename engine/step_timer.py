@@ -54,8 +54,7 @@ class CostCurve:
         b = PlainStepTimer.bucket(rows)
         old = self.seconds.get(b)
         if old is None:
-            estimate = self(rows)
-            self.calibrate(rows, min(seconds, estimate) if self.seconds else seconds)
+            self.calibrate(rows, min(seconds, self(rows)) if self.seconds else seconds)
             return
         seconds = min(seconds, 1.5 * old)
         self.seconds[b] = old + self.smoothing * (seconds - old)

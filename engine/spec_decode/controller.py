@@ -150,11 +150,15 @@ class SpecController:
         self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
 
     # ---- estimates ---------------------------------------------------------------
-    def acceptance(self, request_id: str, method: str) -> float:
-        prior = self.global_counts[method].rate(prior=0.5, weight=1.0)
+    def _evidence(self, request_id: str, method: str) -> tuple[DecayedCounts, float]:
+        """The request's own counts for method (empty when it has none) and the engine-wide prior."""
         state = self.states.get(request_id)
-        counts = state.counts.get(method) if state else None
-        return counts.rate(prior, PRIOR_WEIGHT) if counts else prior
+        counts = (state.counts.get(method) if state else None) or DecayedCounts(REQUEST_DECAY)
+        return counts, self.global_counts[method].rate(prior=0.5, weight=1.0)
+
+    def acceptance(self, request_id: str, method: str) -> float:
+        counts, prior = self._evidence(request_id, method)
+        return counts.rate(prior, PRIOR_WEIGHT)
 
     def planning_rate(self, request_id: str, method: str) -> float:
         """The acceptance this step's plan uses: the estimate, or for an idle request with thin
@@ -162,9 +166,8 @@ class SpecController:
         proposer and k agree)."""
         key = (request_id, method)
         if key not in self._rates:
-            prior = self.global_counts[method].rate(prior=0.5, weight=1.0)
+            counts, prior = self._evidence(request_id, method)
             state = self.states.get(request_id)
-            counts = (state.counts.get(method) if state else None) or DecayedCounts(REQUEST_DECAY)
             # Only thin evidence is worth a gamble: past PRIOR_WEIGHT judged tokens of its own the
             # estimate is the request's, and probes watch it for shifts.
             explore = self.explore and state is not None and state.idle and counts.judged < PRIOR_WEIGHT
@@ -221,10 +224,10 @@ class SpecController:
                 gain, seconds = tokens.pop()
                 expected, time = expected - gain, time - seconds
         lags = {rid: lag for rid, _, lag in candidates}
-        expected = self._trim_deep_positions(taken, expected, base_tokens, methods, lags)
+        expected, time = self._trim_deep_positions(taken, expected, base_tokens, methods, lags)
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
         bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
-        time = self.predicted_time(base_tokens, ks, methods, lags) if ks else plain_time
+        time = time if ks else plain_time
         if ks and expected / time < (1.0 + self.hurdle) * len(candidates) / plain_time:   # plain is (about) as good
             ks, time = {}, plain_time
         self.last_predicted_time = time
@@ -233,26 +236,28 @@ class SpecController:
                 for rid, caps, lag in candidates}
 
     def _trim_deep_positions(self, taken: dict[str, list[tuple[float, float]]], expected: float,
-                             base_tokens: int, methods: dict, lags: dict) -> float:
+                             base_tokens: int, methods: dict, lags: dict) -> tuple[float, float]:
         """The greedy prices a model draft token at its share of a forward over every drafting
         request, but the draft runs one sequential forward per position: the deepest positions,
         reached by a few requests with the highest estimates, cost a whole forward each. Drop the
-        deepest position while the exact step time says goodput rises without it."""
-        while taken:
-            ks = {rid: len(tokens) for rid, tokens in taken.items()}
+        deepest position while the exact step time says goodput rises without it. Returns the
+        kept plan's expected tokens and predicted step time (0.0 when nothing was taken)."""
+        ks = {rid: len(tokens) for rid, tokens in taken.items()}
+        time = self.predicted_time(base_tokens, ks, methods, lags) if ks else 0.0
+        while ks:
             depth = max(ks.values())
             deepest = [rid for rid, k in ks.items() if k == depth and k > 1]
             if not deepest:
                 break
             lost = sum(taken[rid][-1][0] for rid in deepest)
             trimmed = {rid: k - 1 if rid in deepest else k for rid, k in ks.items()}
-            if (expected - lost) / self.predicted_time(base_tokens, trimmed, methods, lags) <= \
-                    expected / self.predicted_time(base_tokens, ks, methods, lags):
+            trimmed_time = self.predicted_time(base_tokens, trimmed, methods, lags)
+            if (expected - lost) / trimmed_time <= expected / time:
                 break
             for rid in deepest:
                 taken[rid].pop()
-            expected -= lost
-        return expected
+            ks, expected, time = trimmed, expected - lost, trimmed_time
+        return expected, time
 
     def _choose_method(self, rid: str, caps: dict[str, int], lag: dict[str, int], batch: int,
                        base_time: float, per_token: float) -> str | None:
