@@ -13,13 +13,11 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_spec import lockstep_throughput, speculative_llm, with_oracle  # noqa: E402
+from bench_spec import oracle_cell, oracle_prompts, speculative_llm  # noqa: E402
 from common import SMALL_DRAFT, random_llama  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,26 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     target = random_llama(os.path.join(args.root, "target"))
     draft = random_llama(os.path.join(args.root, "draft"), seed=1, **SMALL_DRAFT)
     plain = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(args.batch, 16))
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, plain.engine.vocab_size, (32,), generator=generator).tolist()
-               for _ in range(args.batch)]
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    continuations = {tuple(p): o.token_ids for p, o in zip(prompts, plain.generate(prompts, params))}
-
+    prompts, continuations = oracle_prompts(plain, args.batch, args.new_tokens)
     llms = {"plain": plain}
     llms.update({f"g={g}": speculative_llm(target, draft, args.dtype, g, False, args.batch) for g in (2, 4)})
     for name in ("adaptive", "no hurdle", "no exploration"):
         llms[name] = speculative_llm(target, draft, args.dtype, 8, True, args.batch)
     llms["no hurdle"].engine.controller.hurdle = 0.0
     llms["no exploration"].engine.controller.explore = False
-    for name, llm in llms.items():
-        if name != "plain":
-            with_oracle(llm, continuations, args.alpha)
-    expected = [continuations[tuple(p)] for p in prompts]
-    runs = [lockstep_throughput(llms, prompts, args.new_tokens, expected) for _ in range(args.repeats)]
-    rate = {name: len(runs) / sum(1 / run[name] for run in runs) for name in llms}
+    ratios, _ = oracle_cell(llms, continuations, prompts, args.alpha, args.new_tokens, args.repeats)
     print(f"alpha {args.alpha}, batch {args.batch}, {args.repeats} lock-step runs: "
-          + ", ".join(f"{name} {rate[name] / rate['plain']:.2f}x" for name in llms))
+          + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in {"plain": 1.0, **ratios}.items()))
     return 0
 
 

@@ -155,6 +155,29 @@ def theory_table(target, draft, dtype, prompts, continuations, plain_tps, new_to
         print(f"{alpha:5.2f} {measured:8.2f}x {theory_v:8.2f}x {measured / theory_v:6.2f}")
 
 
+def oracle_prompts(plain_llm: LLM, count: int, new_tokens: int) -> tuple[list[list[int]], dict]:
+    """count random 32-token prompts (seeded) and the plain greedy continuation of each."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, plain_llm.engine.vocab_size, (32,), generator=generator).tolist()
+               for _ in range(count)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return prompts, {tuple(p): o.token_ids for p, o in zip(prompts, plain_llm.generate(prompts, params))}
+
+
+def oracle_cell(llms: dict, continuations: dict, prompts: list[list[int]], alpha: float, new_tokens: int,
+                repeats: int) -> tuple[dict[str, float], float]:
+    """One sweep cell: every engine but "plain" drafts through the oracle at alpha, all run in
+    lock-step `repeats` times, every output checked against plain greedy. Returns each engine's
+    throughput as a ratio to plain's (tokens over total time) and plain's tokens per second."""
+    expected = [continuations[tuple(p)] for p in prompts]
+    for name, llm in llms.items():
+        if name != "plain":
+            with_oracle(llm, continuations, alpha)
+    runs = [lockstep_throughput(llms, prompts, new_tokens, expected) for _ in range(repeats)]
+    rate = {name: len(runs) / sum(1 / run[name] for run in runs) for name in llms}   # tokens / total time
+    return {name: tps / rate["plain"] for name, tps in rate.items() if name != "plain"}, rate["plain"]
+
+
 def sweep(target, draft, dtype, prompts, continuations, new_tokens, alphas, batches, repeats) -> list[dict]:
     print(f"\n2. oracle sweep: throughput as a ratio to plain decoding at the same batch; every cell runs "
           f"plain, each static gamma and adaptive in lock-step (one step of each in turn), {repeats} times, "
@@ -167,16 +190,10 @@ def sweep(target, draft, dtype, prompts, continuations, new_tokens, alphas, batc
         llms.update({g: speculative_llm(target, draft, dtype, g, False, batch) for g in STATIC_GAMMAS})
         llms["adaptive"] = speculative_llm(target, draft, dtype, max(STATIC_GAMMAS), True, batch)
         for alpha in alphas:
-            expected = [continuations[tuple(p)] for p in prompts[:batch]]
-            for name, llm in llms.items():
-                if name != "plain":
-                    with_oracle(llm, continuations, alpha)
-            runs = [lockstep_throughput(llms, prompts[:batch], new_tokens, expected) for _ in range(repeats)]
-            rate = {name: len(runs) / sum(1 / run[name] for run in runs) for name in llms}   # tokens / total time
-            ratios = {name: tps / rate["plain"] for name, tps in rate.items() if name != "plain"}
+            ratios, plain_rate = oracle_cell(llms, continuations, prompts[:batch], alpha, new_tokens, repeats)
             best_static = max(ratios[g] for g in STATIC_GAMMAS)
             cells = "".join(f"{ratios[g]:6.2f}x" for g in STATIC_GAMMAS)
-            print(f"{alpha:5.2f} {batch:5d} {rate['plain']:11.1f}{cells} {ratios['adaptive']:7.2f}x "
+            print(f"{alpha:5.2f} {batch:5d} {plain_rate:11.1f}{cells} {ratios['adaptive']:7.2f}x "
                   f"{ratios['adaptive'] / best_static:8.2f}", flush=True)
             rows.append({"alpha": alpha, "batch": batch, **{str(k): v for k, v in ratios.items()}})
         del llms
@@ -230,11 +247,7 @@ def main(argv=None) -> None:
     target = random_llama(args.model_dir)
     draft = random_llama(args.draft_dir, seed=1, **{k: v for k, v in SMALL_DRAFT.items()})
     plain_llm = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(batches + [16]))
-    vocab = plain_llm.engine.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (32,), generator=generator).tolist() for _ in range(max(batches))]
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    continuations = {tuple(p): o.token_ids for p, o in zip(prompts, plain_llm.generate(prompts, params))}
+    prompts, continuations = oracle_prompts(plain_llm, max(batches), args.new_tokens)
     shift_tokens = 3 * args.new_tokens
     shift_continuation = plain_llm.generate(prompts[:1], SamplingParams(
         max_tokens=shift_tokens, temperature=0.0, ignore_eos=True))[0].token_ids

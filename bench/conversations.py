@@ -81,6 +81,18 @@ class Run:
         return sum(getattr(self, field).values())
 
 
+def method_configs(spec, gamma: int) -> dict[str, dict | None]:
+    """`speculative` settings per method compared: none, each single proposer at a static gamma, and
+    auto (the controller routing between all of them); spec is the config's speculative section."""
+    static = {"adaptive": False, "num_speculative_tokens": gamma}
+    return {"none": None,
+            "ngram": {"method": "ngram", **static},
+            "draft": {"method": "draft", "model": spec.model, **static},
+            "suffix": {"method": "suffix", **static},
+            "auto": {"method": "auto", "model": spec.model, "proposers": ["draft", "ngram", "suffix"],
+                     "num_speculative_tokens": gamma}}
+
+
 def warm_engine(config, concurrency: int, speculative: dict | None) -> LLM:
     """The engine for one method (speculative None: plain decoding), warmed up by one short chat."""
     llm = LLM(config.model, dtype=config.dtype, max_num_seqs=max(concurrency, 1),

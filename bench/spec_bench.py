@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, os.path.dirname(__file__))
 from common import timed  # noqa: E402
-from conversations import (QUESTIONS, Run, chat_ids, load_questions, question_sessions,  # noqa: E402
-                           run_lockstep, warm_engine)
+from conversations import (QUESTIONS, Run, chat_ids, load_questions, method_configs,  # noqa: E402
+                           question_sessions, run_lockstep, warm_engine)
 
 from engine import LLM  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
@@ -138,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     categories = sorted({q["category"] for q in questions})
     # the single methods at a static gamma (what they were before the controller), and auto: the
     # adaptive controller routing each request and step between all of them
-    methods = {"none": None,
-               "ngram": {"method": "ngram", "num_speculative_tokens": spec.gamma, "adaptive": False},
-               "draft": {"method": "draft", "model": spec.model, "num_speculative_tokens": spec.gamma, "adaptive": False},
-               "suffix": {"method": "suffix", "num_speculative_tokens": spec.gamma, "adaptive": False},
-               "auto": {"method": "auto", "model": spec.model, "num_speculative_tokens": spec.gamma}}
+    methods = method_configs(spec, spec.gamma)
     lines = [f"# Spec-Bench dev: {len(questions)} questions ({args.per_category} per category), greedy, "
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}

@@ -38,8 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conversations import (QUESTIONS, Run, Session, load_questions, question_sessions,  # noqa: E402
-                           run_lockstep, warm_engine)
+from conversations import (QUESTIONS, Run, Session, load_questions, method_configs,  # noqa: E402
+                           question_sessions, run_lockstep, warm_engine)
 from spec_bench import ratio  # noqa: E402
 
 from server.config import load_config  # noqa: E402
@@ -169,17 +169,6 @@ def chat_sessions(per_category: int) -> list[Session]:
 
 # ---- running ---------------------------------------------------------------------------------
 
-def methods(spec, gamma: int) -> dict[str, dict | None]:
-    """Each single proposer at a static gamma, and auto: the controller routing between all of them."""
-    static = {"adaptive": False, "num_speculative_tokens": gamma}
-    return {"none": None,
-            "draft": {"method": "draft", "model": spec.model, **static},
-            "ngram": {"method": "ngram", **static},
-            "suffix": {"method": "suffix", **static},
-            "auto": {"method": "auto", "model": spec.model, "proposers": ["draft", "ngram", "suffix"],
-                     "num_speculative_tokens": gamma}}
-
-
 def table(name: str, concurrency: int, runs: dict[str, Run]) -> tuple[list[str], dict]:
     plain = runs["none"]
     plain_rate = plain.pooled("tokens") / plain.wall
@@ -228,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {}
     for name in args.methods.split(","):   # "ngram@8": n-gram at gamma 8, beside the others at --gamma
         method, _, gamma = name.partition("@")
-        wanted[name] = methods(config.speculative, int(gamma) if gamma else args.gamma)[method]
+        wanted[name] = method_configs(config.speculative, int(gamma) if gamma else args.gamma)[method]
     lines = [f"# Workloads on {config.model} (draft {config.speculative.model}), greedy, max_tokens "
              f"{args.max_tokens}, gamma {args.gamma}"]
     results: dict = {}
