@@ -1,8 +1,10 @@
 """One oracle-sweep cell with the controller's mechanisms switched off one at a time, in lock-step:
-plain, static gamma 2 and 4, the controller as shipped, without its 5% plan hurdle, and without
-its exploration draws. Throughput as a ratio to plain decoding, over --repeats lock-step runs.
+plain, static gammas (--gammas, default 2 and 4), the controller as shipped, and the controller with
+one mechanism off (--without): its 5% plan hurdle, its exploration draws, its steady acceptance memory
+(the short one alone), or the scaling of predicted drafting-step times by what whole steps measured.
+Throughput as a ratio to plain decoding, over --repeats lock-step runs.
 
-    python bench/ablate_controller.py --alpha 0.9 --batch 16 [--repeats 2] [--dtype float32]
+    python bench/ablate_controller.py --alpha 0.9 --batch 16 [--repeats 2] [--gammas 2,4] [--without "no hurdle"]
 
 The setup is bench_spec.py's: the random 271M target, a 1-layer draft whose tokens an oracle replaces
 by the target's own continuation, each kept with probability alpha, 64 greedy tokens per request.
@@ -20,11 +22,30 @@ from common import SMALL_DRAFT, random_llama  # noqa: E402
 from engine import LLM  # noqa: E402
 
 
+VARIANTS = ("no hurdle", "no exploration", "short memory", "no step bias")
+
+
+def switch_off(engine, variant: str) -> None:
+    """The controller as shipped ("adaptive"), or with one mechanism switched off."""
+    if variant == "no hurdle":
+        engine.controller.hurdle = 0.0
+    elif variant == "no exploration":
+        engine.controller.explore = False
+    elif variant == "short memory":   # acceptance from the ~14-token memory alone
+        engine.controller.steady_decay = None
+    elif variant == "no step bias":   # step times from the parts alone, never scaled by whole steps
+        engine.costs.observe_drafting_step = lambda predicted, measured: None
+    elif variant != "adaptive":
+        raise SystemExit(f"unknown variant {variant!r}: adaptive or one of {', '.join(VARIANTS)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--alpha", type=float, default=0.9)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--gammas", default="2,4", help="static gammas compared")
+    p.add_argument("--without", default=",".join(VARIANTS), help="variants with one mechanism off, comma-separated")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--root", default="/tmp/specserve-bench")
@@ -35,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     plain = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(args.batch, 16))
     prompts, continuations = oracle_prompts(plain, args.batch, args.new_tokens)
     llms = {"plain": plain}
-    llms.update({f"g={g}": speculative_llm(target, draft, args.dtype, g, False, args.batch) for g in (2, 4)})
-    for name in ("adaptive", "no hurdle", "no exploration"):
+    gammas = [int(g) for g in args.gammas.split(",")]
+    llms.update({f"g={g}": speculative_llm(target, draft, args.dtype, g, False, args.batch) for g in gammas})
+    variants = ["adaptive"] + [v for v in args.without.split(",") if v]
+    for name in variants:
         llms[name] = speculative_llm(target, draft, args.dtype, 8, True, args.batch)
-    llms["no hurdle"].engine.controller.hurdle = 0.0
-    llms["no exploration"].engine.controller.explore = False
+        switch_off(llms[name].engine, name)
     ratios, _ = oracle_cell(llms, continuations, prompts, args.alpha, args.new_tokens, args.repeats)
     print(f"alpha {args.alpha}, batch {args.batch}, {args.repeats} lock-step runs: "
           + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in {"plain": 1.0, **ratios}.items()))

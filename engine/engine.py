@@ -114,7 +114,7 @@ class Engine:
         except Exception as exc:  # one bad batch must not take the server down
             logger.exception("engine step failed")
             return self._fail(batch, exc)
-        self._learn(batch, proposal, result, t2 - t1)
+        self._learn(batch, proposal, result, t2 - t1, t2 - t0)
         outputs, emitted_drafts = self._update(batch, proposal, result)
         self.last_stats = self._stats(batch, proposal, emitted_drafts, t1 - t0, t2 - t1, outputs)
         self.totals.add(self.last_stats)
@@ -152,8 +152,10 @@ class Engine:
         pending += sum(r.num_tokens for r in itertools.islice(scheduler.waiting, free_slots))
         return max(0, min(pending, self.config.max_num_batched_tokens - num_decoding))
 
-    def _learn(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, verify_time: float) -> None:
-        """Feed the controller what verification made of each draft, and the cost model the pass time."""
+    def _learn(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, verify_time: float,
+               step_time: float) -> None:
+        """Feed the controller what verification made of each draft, and the cost model the pass and
+        step times."""
         for i, item in enumerate(batch.scheduled):
             if not item.is_decode:
                 continue
@@ -163,6 +165,9 @@ class Engine:
         num_drafts = sum(len(d) for d in proposal.draft_token_ids)
         self.costs.observe_pass(sum(s.num_new_tokens for s in batch.scheduled) + num_drafts, verify_time,
                                 num_drafts > 0, len(batch.scheduled))
+        predicted = self.controller.last_predicted_time
+        if num_drafts and predicted and self.controller.adaptive and all(item.is_decode for item in batch.scheduled):
+            self.costs.observe_drafting_step(predicted, step_time)
 
     def _forget(self, request_id: str) -> None:
         self.proposer.on_finish(request_id)

@@ -1,9 +1,10 @@
 """How long engine steps take.
 
 PlainStepTimer: a plain (non-speculative) decode step at a given batch size, for the speedup
-estimate (the cost of the steps speculation replaces). StepCostModel: the target pass and draft
-forwards by size, for the controller's plan. The engine times both at start-up (engine.setup) and
-keeps refining them with moving averages from the steps it runs.
+estimate (the cost of the steps speculation replaces). StepCostModel: the target pass and the
+forwards of model proposers (draft model, EAGLE head) by size, for the controller's plan. The
+engine times both at start-up (engine.setup) and keeps refining them with moving averages from the
+steps it runs.
 """
 from __future__ import annotations
 
@@ -106,8 +107,17 @@ class StepCostModel:
         self.smoothing = smoothing
         self.plain = CostCurve(smoothing)
         self.targets: dict[int, CostCurve] = {}   # sequence bucket -> verification time over tokens
-        self.draft = CostCurve(smoothing)
-        self.catch_up_token = 0.0   # seconds per token a draft forward feeds beyond its rows
+        self.drafts: dict[str, CostCurve] = {}    # model proposer ("draft", "eagle") -> forward time over rows
+        self.catch_up_price: dict[str, float] = {}   # model proposer -> seconds per token fed beyond its rows
+        self.drafting_bias = 1.0   # measured / predicted time of drafting steps (see observe_drafting_step)
+
+    @property
+    def draft(self) -> CostCurve:
+        """The draft model's forward curve."""
+        return self.draft_curve("draft")
+
+    def draft_curve(self, method: str) -> CostCurve:
+        return self.drafts.setdefault(method, CostCurve(self.smoothing))
 
     # ---- measurements -------------------------------------------------------------
     def calibrate_verify(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
@@ -119,29 +129,44 @@ class StepCostModel:
         else:
             self.plain.observe(num_tokens, seconds)
 
-    def observe_draft(self, rows: int, seconds: float, catch_up: int = 0) -> None:
-        """One draft forward: `rows` requests, feeding `catch_up` tokens besides their last ones.
-        A forward with little catch-up times the rows; one with much prices the catch-up tokens."""
+    def observe_draft(self, rows: int, seconds: float, catch_up: int = 0, method: str = "draft") -> None:
+        """One forward of a model proposer: `rows` requests, feeding `catch_up` tokens besides their
+        last ones. A forward with little catch-up times the rows; one with much prices the catch-up."""
+        curve = self.draft_curve(method)
         if catch_up < max(8, rows):
-            self.draft.observe(rows, seconds)
+            curve.observe(rows, seconds)
             return
-        if not self.draft.ready:
+        if not curve.ready:
             return   # nothing yet to tell the rows' share from the catch-up's
-        price = max(0.0, seconds - self.draft(rows)) / catch_up
-        self.catch_up_token += self.smoothing * (price - self.catch_up_token) if self.catch_up_token else price
+        price, old = max(0.0, seconds - curve(rows)) / catch_up, self.catch_up_price.get(method)
+        self.catch_up_price[method] = price if not old else old + self.smoothing * (price - old)
+
+    def observe_drafting_step(self, predicted: float, measured: float) -> None:
+        """A whole drafting step (drafts and verification), against what step_time predicted for it.
+        The parts are timed one by one, but a step also spends time none of them sees (draft-probability
+        buffers that grow with batch x k x vocabulary, sampling, bookkeeping): drafting steps ran
+        10-20% over their prediction at batch 16. Their predictions are scaled by a moving geometric
+        mean of measured / predicted (a fixed point where the two agree), between 0.8 and 1.5."""
+        if predicted <= 0 or measured <= 0:
+            return
+        ratio = min(max(measured / predicted, 0.5), 2.0)
+        self.drafting_bias = min(max(self.drafting_bias * ratio ** (self.smoothing / 2), 0.8), 1.5)
 
     # ---- predictions ----------------------------------------------------------------
-    def step_time(self, num_tokens: int, draft_rows: list[int], verifying: bool | None = None,
-                  catch_up: int = 0, base_tokens: int | None = None, num_seqs: int | None = None) -> float:
+    def step_time(self, num_tokens: int, draft_rows: dict[str, list[int]] | None = None,
+                  verifying: bool | None = None, catch_up: dict[str, int] | None = None,
+                  base_tokens: int | None = None, num_seqs: int | None = None) -> float:
         """num_tokens fed to the target (base_tokens of them without drafts) for num_seqs sequences;
-        draft_rows: rows of each sequential draft forward (the first also catches up `catch_up`
-        tokens); verifying: whether the pass verifies drafts (default: whether a draft model ran)."""
-        verifying = bool(draft_rows) if verifying is None else verifying
+        draft_rows: per model proposer, the rows of each of its sequential forwards (the first also
+        catches up catch_up[method] tokens); verifying: whether the pass verifies drafts (default:
+        whether a model proposer ran)."""
+        draft_rows, catch_up = draft_rows or {}, catch_up or {}
+        verifying = any(draft_rows.values()) if verifying is None else verifying
         if not verifying and self.plain.ready:
             return self.plain(num_tokens)
-        drafting = sum(self.draft(rows) for rows in draft_rows)
-        return self.verify_time(num_tokens, base_tokens, num_seqs) + drafting + \
-            (self.catch_up_token * catch_up if draft_rows else 0.0)
+        drafting = sum(self.draft_forward(rows, method) for method, forwards in draft_rows.items() for rows in forwards)
+        drafting += sum(self.catch_up(catch_up.get(method, 0), method) for method, forwards in draft_rows.items() if forwards)
+        return self.drafting_bias * (self.verify_time(num_tokens, base_tokens, num_seqs) + drafting)
 
     def verify_time(self, num_tokens: int, base_tokens: int | None = None, num_seqs: int | None = None) -> float:
         """The target pass alone, shaped as a verification (drafts, from any proposer), over
@@ -150,11 +175,11 @@ class StepCostModel:
         floor = self.plain(base_tokens) if base_tokens and self.plain.ready else 0.0
         return max(self._curve(num_seqs or base_tokens or num_tokens)(num_tokens), floor)
 
-    def draft_forward(self, rows: int) -> float:
-        return self.draft(rows)
+    def draft_forward(self, rows: int, method: str = "draft") -> float:
+        return self.draft_curve(method)(rows)
 
-    def catch_up(self, tokens: int) -> float:
-        return self.catch_up_token * tokens
+    def catch_up(self, tokens: int, method: str = "draft") -> float:
+        return self.catch_up_price.get(method, 0.0) * tokens
 
     def per_token(self, num_tokens: int, num_seqs: int | None = None) -> float:
         """Marginal cost of one more token in a verification pass of num_tokens: the slope over the

@@ -4,13 +4,15 @@ The goal is the batch's goodput, expected output tokens per second of the step:
 
 - Expected tokens of k drafts from proposer m for request r are 1 + a + a^2 + ... + a^k, where a is
   the request's acceptance rate per judged draft token with m: counts that forget per judged token
-  (recent tokens weigh most, so a shift in the workload shows within a few steps, and a step that
-  judged eight drafts does not outweigh eight steps that judged one), shrunk towards the engine-wide
-  rate of m. One rate for every position: when acceptance collapses, it collapses at every position
+  (a step that judged eight drafts does not outweigh eight steps that judged one), shrunk towards
+  the engine-wide rate of m. A steady memory of ~100 tokens gives the estimate; a short one of ~14
+  restarts it when the two disagree beyond chance, so a shift in the workload shows within a few
+  steps. One rate for every position: when acceptance collapses, it collapses at every position
   at once.
 - Step time is StepCostModel.step_time: the target pass as a function of its tokens, plus every
   draft-model forward as a function of its rows, plus the tokens the draft has not seen yet, which
-  its first forward catches up on. The engine measures all of it online.
+  its first forward catches up on, scaled by what whole drafting steps measured against their
+  prediction (the parts miss some of a step's work). The engine measures all of it online.
 - The plan starts from plain decoding (k = 0 everywhere) and adds, one at a time, the draft token
   with the most expected tokens per added second, while that raises the step's tokens per second
   (a request's first tokens are ranked together when its catch-up makes one alone not worth it).
@@ -42,16 +44,20 @@ Bookkeeping only: no tensors here.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.step_timer import StepCostModel
 
 PRIOR_WEIGHT = 4.0        # pseudo-observations of the engine-wide rate behind each request's estimate
-REQUEST_DECAY = 0.93      # per judged draft token: a request remembers ~14 tokens (half-life ~10)
+REQUEST_DECAY = 0.93      # per judged draft token: a request's short memory, ~14 tokens (half-life ~10)
+STEADY_DECAY = 0.99       # its steady memory, ~100 tokens (half-life ~70), restarted on a shift
+SHIFT_Z = 2.5             # standard errors between the two memories that make a shift
 GLOBAL_DECAY = 0.995      # per judged draft token (of any request): the engine-wide rate, half-life ~140
 EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
 MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is capped at this many plain steps
+MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position (priced per forward)
 HURDLE = 0.05             # a plan must promise this much more goodput than plain decoding: the cost model
                           # errs by about as much, and plain decoding is the safe side of a close call
 
@@ -101,25 +107,46 @@ def _add_credit(state: "RequestSpecState", seconds: float, plain_token: float) -
 
 
 class DecayedCounts:
-    """Judged and accepted draft tokens, forgetting old ones geometrically per judged token."""
+    """Judged and accepted draft tokens, forgetting old ones geometrically per judged token.
 
-    def __init__(self, decay: float):
+    With `steady` (a slower decay), two memories: the steady one gives the estimate, the short one
+    watches for shifts. Near the break-even the plan turns on a few hundredths of acceptance, and
+    a memory of ~14 tokens errs by +-0.06 at 0.9: the plan drafted 4-5 where 8 paid. Once the
+    short memory departs from the steady one by more than SHIFT_Z standard errors, the steady one
+    restarts from the short one, so a shift still shows within a few steps."""
+
+    def __init__(self, decay: float, steady: float | None = None):
         self.decay = decay
         self.judged = 0.0
         self.accepted = 0.0
+        self.steady = DecayedCounts(steady) if steady else None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         judged = min(num_drafted, num_accepted + 1)   # drafts past the first rejection were not judged
         forget = self.decay ** judged
         self.judged = forget * self.judged + judged
         self.accepted = forget * self.accepted + num_accepted
+        if self.steady is not None:
+            self.steady.observe(num_drafted, num_accepted)
+            if self._shifted():
+                self.steady.judged, self.steady.accepted = self.judged, self.accepted
+
+    def _shifted(self) -> bool:
+        long, short = self.steady.accepted / self.steady.judged, self.accepted / self.judged
+        p = min(max((long + short) / 2, 0.05), 0.95)   # between the two: a drift up or down shows alike
+        return abs(short - long) > SHIFT_Z * (p * (1 - p) / self.judged) ** 0.5
+
+    @property
+    def evidence(self) -> "DecayedCounts":
+        return self.steady or self
 
     def rate(self, prior: float, weight: float) -> float:
-        return (self.accepted + weight * prior) / (self.judged + weight)
+        counts = self.evidence
+        return (counts.accepted + weight * prior) / (counts.judged + weight)
 
     def draw(self, prior: float, weight: float, rng: random.Random) -> float:
         """One draw from the Beta posterior of the rate, optimistic: never below its mean."""
-        mean, n = self.rate(prior, weight), self.judged + weight
+        mean, n = self.rate(prior, weight), self.evidence.judged + weight
         return max(mean, rng.betavariate(max(mean * n, 1e-3), max((1.0 - mean) * n, 1e-3)))
 
 
@@ -146,6 +173,7 @@ class SpecController:
         self._probes_left = 0
         self.explore = explore
         self.hurdle = HURDLE
+        self.steady_decay: float | None = STEADY_DECAY   # None: the short memory alone
         self._rng = random.Random(seed)      # exploration draws (they choose k, never tokens)
         self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
 
@@ -153,7 +181,7 @@ class SpecController:
     def _evidence(self, request_id: str, method: str) -> tuple[DecayedCounts, float]:
         """The request's own counts for method (empty when it has none) and the engine-wide prior."""
         state = self.states.get(request_id)
-        counts = (state.counts.get(method) if state else None) or DecayedCounts(REQUEST_DECAY)
+        counts = (state.counts.get(method) if state else None) or DecayedCounts(REQUEST_DECAY, self.steady_decay)
         return counts, self.global_counts[method].rate(prior=0.5, weight=1.0)
 
     def acceptance(self, request_id: str, method: str) -> float:
@@ -170,7 +198,7 @@ class SpecController:
             state = self.states.get(request_id)
             # Only thin evidence is worth a gamble: past PRIOR_WEIGHT judged tokens of its own the
             # estimate is the request's, and probes watch it for shifts.
-            explore = self.explore and state is not None and state.idle and counts.judged < PRIOR_WEIGHT
+            explore = self.explore and state is not None and state.idle and counts.evidence.judged < PRIOR_WEIGHT
             self._rates[key] = counts.draw(prior, PRIOR_WEIGHT, self._rng) if explore \
                 else counts.rate(prior, PRIOR_WEIGHT)
         return self._rates[key]
@@ -194,21 +222,22 @@ class SpecController:
         self._probes_left = -(-len(candidates) // PROBES_PER_REQUESTS)
         self._rates = {}
         base_tokens = len(candidates) + num_prefill_tokens
-        plain_time = self.costs.step_time(base_tokens, [])
+        plain_time = self.costs.step_time(base_tokens)
         # Plan as if the pass verifies drafts (its shape costs more than a plain pass of as many
         # tokens), then keep the plan only if it beats plain decoding at the plain pass's cost.
-        drafting_time = self.costs.verify_time(base_tokens, base_tokens, len(candidates))
-        per_token = self.costs.per_token(base_tokens, len(candidates))
+        bias = self.costs.drafting_bias   # what drafting steps measured over their prediction
+        drafting_time = bias * self.costs.verify_time(base_tokens, base_tokens, len(candidates))
+        per_token = bias * self.costs.per_token(base_tokens, len(candidates))
         methods = {rid: self._choose_method(rid, caps, lag, len(candidates), drafting_time, per_token)
                    for rid, caps, lag in candidates}
-        model_rows = sum(1 for m in methods.values() if m is not None and self._is_model(m))
+        model_rows = Counter(m for m in methods.values() if m is not None and self._is_model(m))
         # Every draft token of a request costs a target row plus its share of a draft forward, and
         # its first one also the draft model's catch-up; expected gains fall with k. Take tokens best
         # first while goodput rises.
         increments = []
         for rid, caps, lag in candidates:
             if methods[rid] is not None:
-                row, first = self._prices(methods[rid], lag, model_rows, per_token)
+                row, first = self._prices(methods[rid], lag, model_rows[methods[rid]], per_token)
                 increments += _ironed(rid, self.gains(rid, methods[rid], caps[methods[rid]]), row, first)
         increments.sort(key=lambda item: (-item[0], item[3]))
         expected, time = float(len(candidates)), max(drafting_time, 1e-9)
@@ -278,25 +307,28 @@ class SpecController:
 
     def _prices(self, method: str, lag: dict[str, int], model_rows: int, per_token: float) -> tuple[float, float]:
         """(seconds of each draft token, extra seconds of the first) for a request drafting with
-        method: a target row, plus for a draft model its share of forwards over model_rows requests,
-        and its catch-up on the first."""
+        method: a target row, plus for a model proposer its share of forwards over model_rows
+        requests, and its catch-up on the first."""
         if not self._is_model(method):
             return per_token, 0.0
-        rows = max(1, model_rows)
-        return per_token + self.costs.draft_forward(rows) / rows, self.costs.catch_up(lag.get(method, 0))
+        rows, bias = max(1, model_rows), self.costs.drafting_bias
+        return (per_token + bias * self.costs.draft_forward(rows, method) / rows,
+                bias * self.costs.catch_up(lag.get(method, 0), method))
 
     def predicted_time(self, base_tokens: int, ks: dict[str, int], methods: dict[str, str | None],
                        lags: dict[str, dict[str, int]]) -> float:
         """StepCostModel's time of the step this plan makes."""
-        rows: dict[int, int] = {}
-        catch_up = 0
+        rows: dict[str, list[int]] = {}      # model proposer -> rows of each of its sequential forwards
+        catch_up: Counter = Counter()
         for rid, k in ks.items():
-            if self._is_model(methods[rid]):
-                catch_up += lags[rid].get(methods[rid], 0)
+            method = methods[rid]
+            if self._is_model(method):
+                catch_up[method] += lags[rid].get(method, 0)
+                forwards = rows.setdefault(method, [])
+                forwards += [0] * (k - len(forwards))
                 for j in range(k):
-                    rows[j] = rows.get(j, 0) + 1
-        return self.costs.step_time(base_tokens + sum(ks.values()), [rows[j] for j in sorted(rows)], bool(ks),
-                                    catch_up, base_tokens, len(lags))
+                    forwards[j] += 1
+        return self.costs.step_time(base_tokens + sum(ks.values()), rows, bool(ks), catch_up, base_tokens, len(lags))
 
     def _finish(self, rid: str, caps: dict[str, int], lag: dict[str, int], method: str | None, k: int,
                 marginal_gain: float, prices: "ProbePrices") -> Plan:
@@ -339,8 +371,8 @@ class SpecController:
         return Plan(usable[0], min(self.max_k, caps[usable[0]]), self.draft_p_min or 0.0)
 
     @staticmethod
-    def _is_model(method: str) -> bool:
-        return method == "draft"
+    def _is_model(method: str | None) -> bool:
+        return method in MODEL_PROPOSERS
 
     # ---- feedback -------------------------------------------------------------------
     def observe(self, request_id: str, method: str, num_drafted: int, num_accepted: int) -> None:
@@ -348,7 +380,8 @@ class SpecController:
         if num_drafted == 0 or method not in self.global_counts:
             return
         state = self.states.setdefault(request_id, RequestSpecState())
-        state.counts.setdefault(method, DecayedCounts(REQUEST_DECAY)).observe(num_drafted, num_accepted)
+        counts = state.counts.setdefault(method, DecayedCounts(REQUEST_DECAY, self.steady_decay))
+        counts.observe(num_drafted, num_accepted)
         self.global_counts[method].observe(num_drafted, num_accepted)
         if state.probe is not None:   # charge the probe its net cost: won tokens pay for it
             extra, plain_token = state.probe
