@@ -82,15 +82,20 @@ class Run:
 
 
 def method_configs(spec, gamma: int) -> dict[str, dict | None]:
-    """`speculative` settings per method compared: none, each single proposer at a static gamma, and
-    auto (the controller routing between all of them); spec is the config's speculative section."""
+    """`speculative` settings per method compared: none, each single proposer at a static gamma (the
+    draft model and the EAGLE head when the config names them), and auto (the controller routing
+    between all of them); spec is the config's speculative section."""
     static = {"adaptive": False, "num_speculative_tokens": gamma}
-    return {"none": None,
-            "ngram": {"method": "ngram", **static},
-            "draft": {"method": "draft", "model": spec.model, **static},
-            "suffix": {"method": "suffix", **static},
-            "auto": {"method": "auto", "model": spec.model, "proposers": ["draft", "ngram", "suffix"],
-                     "num_speculative_tokens": gamma}}
+    methods = {"none": None, "ngram": {"method": "ngram", **static}}
+    if spec.model:
+        methods["draft"] = {"method": "draft", "model": spec.model, **static}
+    if spec.head:
+        methods["eagle"] = {"method": "eagle", "head": spec.head, **static}
+    methods["suffix"] = {"method": "suffix", **static}
+    proposers = [m for m in ("draft", "eagle", "ngram", "suffix") if m in methods]
+    methods["auto"] = {"method": "auto", "model": spec.model, "head": spec.head, "proposers": proposers,
+                       "num_speculative_tokens": gamma}
+    return methods
 
 
 def warm_engine(config, concurrency: int, speculative: dict | None) -> LLM:

@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--peer-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--no-peers", dest="peers", action="store_false")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="compare only these (none, ngram, draft, eagle, suffix, auto; none always)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -139,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     # the single methods at a static gamma (what they were before the controller), and auto: the
     # adaptive controller routing each request and step between all of them
     methods = method_configs(spec, spec.gamma)
+    if args.methods:
+        unknown = set(args.methods) - set(methods)
+        if unknown or "none" not in args.methods:
+            p.error(f"--methods: choose among {', '.join(methods)} (none included); got {', '.join(args.methods)}")
+        methods = {m: methods[m] for m in methods if m in args.methods}
     lines = [f"# Spec-Bench dev: {len(questions)} questions ({args.per_category} per category), greedy, "
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-PROPOSERS = ("draft", "ngram", "suffix")
+PROPOSERS = ("draft", "eagle", "ngram", "suffix")
 SPEC_METHODS = ("auto", *PROPOSERS, "none")
 MAX_SPEC_TOKENS = 32
 
@@ -19,11 +19,12 @@ def check_model_path(path: str, what: str) -> None:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "none"              # "auto" | "draft" | "ngram" | "suffix" | "none"
+    method: str = "none"              # "auto" | "draft" | "eagle" | "ngram" | "suffix" | "none"
     model: str | None = None          # draft checkpoint directory (method "draft", or "auto" with a draft)
+    head: str | None = None           # EAGLE head directory (method "eagle", or "auto" with a head)
     num_speculative_tokens: int = 4   # gamma: the most drafts a request verifies in one step
-    proposers: tuple[str, ...] | None = None   # method "auto": the proposers it may route to
-                                               # (default: "draft" when a model is given, "ngram", "suffix")
+    proposers: tuple[str, ...] | None = None   # method "auto": the proposers it may route to (default:
+                                               # "draft" / "eagle" when a model / head is given, "ngram", "suffix")
     adaptive: bool = True             # the controller picks k per request and step; False: always gamma
     draft_p_min: float | None = None  # confidence stop: a fixed bar; None: the controller sets it
     draft_temperature: float | None = None  # None: each request's own temperature
@@ -47,7 +48,7 @@ class SpeculativeConfig:
         if not isinstance(gamma, int) or not 1 <= gamma <= MAX_SPEC_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {gamma!r}")
         if self.method == "auto":
-            default = ("draft", "ngram", "suffix") if self.model else ("ngram", "suffix")
+            default = ("draft",) * bool(self.model) + ("eagle",) * bool(self.head) + ("ngram", "suffix")
             object.__setattr__(self, "proposers", tuple(self.proposers or default))
             unknown = [p for p in self.proposers if p not in PROPOSERS]
             if unknown or not self.proposers:
@@ -60,6 +61,15 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative method {self.method!r} with a draft needs a draft model path "
                                  "(speculative.model)")
             check_model_path(self.model, "speculative draft model")
+        if "eagle" in self.proposers:
+            from engine.models.eagle import is_eagle_head
+
+            if not self.head:
+                raise ValueError(f"speculative method {self.method!r} with EAGLE needs a head directory "
+                                 "(speculative.head)")
+            if not is_eagle_head(self.head):
+                raise ValueError(f"speculative head {self.head!r} is not an EAGLE head directory (config.json "
+                                 "with an \"eagle\" block, from `specserve distill --head eagle`)")
         if "ngram" in self.proposers and not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if "suffix" in self.proposers:

@@ -1,4 +1,4 @@
-"""Start-up: pick device and dtype, load target (and draft), size the KV cache, build runners."""
+"""Start-up: pick device and dtype, load target (and draft, EAGLE head), size the KV cache, build runners."""
 from __future__ import annotations
 
 import json
@@ -13,14 +13,16 @@ from engine.attention import FLASH_BLOCK_SIZE, flash_available
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
+from engine.models.eagle import load_eagle_head
 from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_linear_available
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.base import Proposal, Proposer, Router
-from engine.spec_decode.controller import SpecController
+from engine.spec_decode.controller import MODEL_PROPOSERS, SpecController
 from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.suffix import SuffixProposer
 from engine.step_timer import PlainStepTimer, StepCostModel
@@ -91,15 +93,22 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
     target_model = _load(config.model, dtype, device)
-    draft_model = draft_config = None
+    draft_model = draft_config = head = None
     if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
         draft_model = _load(spec.model, draft_dtype, device)
+    if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
+        head = load_eagle_head(spec.head, target_model, dtype, device)
+        if packed_linear_available(device, dtype):
+            pack_linears(head)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
     if draft_config is not None:
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_config, block_size, draft_dtype)
+    if head is not None:   # its one layer's KV, and the target's kept features
+        bytes_per_block += ModelRunner.kv_bytes_per_block(head.config, block_size, dtype) + \
+            block_size * head.hidden_size * dtype.itemsize
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     max_model_len = _max_model_len(config, target_model, draft_model, num_blocks * block_size - spec.gamma)
     if config.num_kv_blocks is None:   # a budget larger than every sequence at full length is never used
@@ -107,13 +116,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
 
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
-    target = ModelRunner(target_model, num_blocks, block_size, dtype, device, target_flash)
+    target = ModelRunner(target_model, num_blocks, block_size, dtype, device, target_flash,
+                         keep_features=head is not None)
     costs = StepCostModel()
     proposers: dict[str, Proposer] = {}
     if "draft" in spec.proposers:
         proposers["draft"] = DraftModelProposer(
             ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
             hf_config.vocab_size, spec.draft_temperature, on_forward=costs.observe_draft)
+    if head is not None:
+        proposers["eagle"] = EagleProposer(
+            ModelRunner(head, num_blocks, block_size, dtype, device, target_flash), target, hf_config.vocab_size,
+            spec.draft_temperature, on_forward=lambda rows, seconds, catch_up: costs.observe_draft(
+                rows, seconds, catch_up, method="eagle"))
     if "ngram" in spec.proposers:
         proposers["ngram"] = NgramProposer(spec.ngram_min, spec.ngram_max)
     if "suffix" in spec.proposers:
@@ -124,8 +139,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     timer = PlainStepTimer()
     if spec.gamma:
-        _calibrate(timer, costs, target, proposers.get("draft"), pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH),
-                   spec.gamma)
+        models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
+        _calibrate(timer, costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)
     logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
                 "sliding_window=%s, speculative=%s gamma=%d", config.model, str(dtype).replace("torch.", ""), device,
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
@@ -154,12 +169,12 @@ def _max_model_len(config: EngineConfig, target, draft, kv_capacity: int) -> int
     return min(limits)
 
 
-def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner, draft, pool: BlockPool,
+def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner, models: list, pool: BlockPool,
                max_batch: int, gamma: int) -> None:
     """Time, through the real verification path on scratch blocks: plain greedy decode steps at batch
     1, 2, 4, ... (the plain-step timer and the cost model's plain curve), verification passes of
     2, gamma / 2 + 1 and gamma + 1 tokens per request at the same batches (its verification curves,
-    one per batch), and draft forwards."""
+    one per batch), and the forwards of the model proposers (draft model, EAGLE head)."""
     context = 2 * pool.block_size
     max_batch = min(max_batch, pool.num_free_blocks // 4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -201,14 +216,14 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
         for lookahead in sorted({1, max(1, gamma // 2), gamma}):   # verification curves per batch: 1, gamma/2, gamma drafts each
             costs.calibrate_verify(batch, batch * (lookahead + 1), target_pass(batch, lookahead))
         batch *= 2
-    if draft is not None:
+    for proposer in models:
         batch = 1
         while batch <= max_batch:
             scheduled = requests(batch)
-            items = [ScheduledRequest.of(r, 1, 1, "draft") for r in scheduled]
+            items = [ScheduledRequest.of(r, 1, 1, proposer.method) for r in scheduled]
             for _ in range(3):
-                draft.propose(items)   # times itself into costs (the first call: catching up the context)
+                proposer.propose(items)   # times itself into costs (the first call: catching up the context)
             for r in scheduled:
-                draft.on_finish(r.request_id)
+                proposer.on_finish(r.request_id)
             release(scheduled)
             batch *= 2

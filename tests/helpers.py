@@ -204,3 +204,60 @@ def make_scripted_checkpoint(path, script: str, vocab_size: int = MIN_VOCAB_SIZE
     model.save_pretrained(path)
     make_tokenizer(vocab_size).save_pretrained(path)
     return Path(path)
+
+
+EAGLE_TENSORS = ("fc.weight", "layer.input_layernorm.weight", "layer.self_attn.q_proj.weight",
+                 "layer.self_attn.k_proj.weight", "layer.self_attn.v_proj.weight", "layer.self_attn.o_proj.weight",
+                 "layer.post_attention_layernorm.weight", "layer.mlp.gate_proj.weight", "layer.mlp.up_proj.weight",
+                 "layer.mlp.down_proj.weight", "norm.weight")
+
+
+def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target: bool = False) -> Path:
+    """An EAGLE head directory (the format engine/models/eagle.py loads) for a target checkpoint: the
+    target's config with the eagle block, and random fp32 weights of the right shapes.
+
+    copy_target (a one-layer target): fc passes the token's embedding and drops the feature, and the
+    layer and norm are the target's, so the head at position p computes the target at p + 1 over
+    the tokens after the first (RoPE sees only relative positions): a head that agrees with its
+    target almost always, for tests that need high acceptance."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(target) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    config.update(architectures=["EagleHead"], model_type="llama", num_hidden_layers=1, attention_bias=False,
+                  mlp_bias=False, eagle={"format": 1, "feature": "final_norm_hidden", "unroll": 1,
+                                         "target_hidden_size": hidden, "target_vocab_size": config["vocab_size"]})
+    config.pop("layer_types", None)
+    (path / "config.json").write_text(json.dumps(config))
+    shapes = {"fc.weight": (hidden, 2 * hidden), "layer.self_attn.q_proj.weight": (heads * head_dim, hidden),
+              "layer.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+              "layer.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+              "layer.self_attn.o_proj.weight": (hidden, heads * head_dim),
+              "layer.mlp.gate_proj.weight": (inter, hidden), "layer.mlp.up_proj.weight": (inter, hidden),
+              "layer.mlp.down_proj.weight": (hidden, inter)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name in EAGLE_TENSORS:
+        if name.endswith("norm.weight"):
+            tensors[name] = 1.0 + 0.2 * torch.randn(hidden, generator=generator)
+        else:
+            shape = shapes[name]
+            tensors[name] = scale * torch.randn(shape, generator=generator) / shape[1] ** 0.5
+    if copy_target:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(Path(target) / "model.safetensors"))
+        if any(key.startswith("model.layers.1.") for key in weights):
+            raise ValueError("copy_target needs a one-layer target")
+        tensors = {name: weights["model.norm.weight" if name == "norm.weight" else
+                                 name.replace("layer.", "model.layers.0.", 1)].clone()
+                   for name in EAGLE_TENSORS if name != "fc.weight"}
+        tensors["fc.weight"] = torch.cat((torch.zeros(hidden, hidden), torch.eye(hidden)), dim=1)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path

@@ -1,0 +1,105 @@
+"""An EAGLE-style self-drafting head: one decoder layer that runs on the target's own features.
+
+For the token at position p + 1 and the target's feature h_p (its final hidden state at p, after
+the final norm, so that the target's logits at p are lm_head(h_p)):
+
+    u_p     = fc(cat(h_p, embed(x_{p+1})))          fc: [2H -> H], no bias
+    out_p   = norm(DecoderLayer(u_p))               one Llama layer at absolute position p, own KV cache
+    logits  = lm_head(out_p)                        predicts x_{p+2}
+
+out_p stands in for the target's feature h_{p+1}, so the head chains: its next step takes
+(out_p, the token it just drafted). The embedding table and the LM head are the target's,
+shared and frozen; the head directory holds only fc, the layer and the norm (a few MB).
+
+The head directory (written by `specserve distill --head eagle`, train/eagle.py):
+  config.json        the target's config with "architectures": ["EagleHead"], "num_hidden_layers": 1,
+                     and an "eagle" block {"format": 1, "feature": "final_norm_hidden", ...}
+  model.safetensors  fc.weight, layer.{input_layernorm, self_attn.{q,k,v,o}_proj,
+                     post_attention_layernorm, mlp.{gate,up,down}_proj}.weight, norm.weight
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
+
+HEAD_FORMAT = 1
+FEATURE = "final_norm_hidden"
+PLAIN_LAYER = {"qkv_bias": False, "o_bias": False, "mlp_bias": False, "qk_norm": False}
+
+
+class EagleHead(nn.Module):
+    """The head over a loaded target. Looks like a one-layer model to ModelRunner (num_layers,
+    num_kv_heads, head_dim, vocab_size, compute_logits), with the target's features as an extra
+    input of forward."""
+
+    def __init__(self, config, target: CausalLM):
+        super().__init__()
+        self.config = config
+        self.num_layers = 1
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hidden_size = config.hidden_size
+        self.vocab_size = target.vocab_size
+        self.max_position_embeddings = target.max_position_embeddings
+        self.sliding_window = None
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layer = DecoderLayer(config, self.head_dim, PLAIN_LAYER)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, target.max_position_embeddings)
+        # The target's, not ours: kept out of state_dict so that loading and saving see the head only.
+        self._shared = {"embed": target.model.embed_tokens, "lm_head": target.lm_head}
+
+    tie_word_embeddings = False   # for the strict loader: the head has no LM head of its own to tie
+
+    def tie_weights(self) -> None:
+        pass
+
+    def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers(device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor], features: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T]; features [T, H] (the feature before each token) -> [T, H]."""
+        embedded = self._shared["embed"](input_ids)
+        hidden = self.fc(torch.cat((features.to(embedded.dtype), embedded), dim=-1))
+        cos, sin = self.rotary_emb(positions)
+        hidden, residual = self.layer(hidden, None, cos, sin, kv_caches[0], meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._shared["lm_head"](hidden).float()
+
+
+def is_eagle_head(path) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and "eagle" in json.loads(config.read_text())
+
+
+def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device) -> EagleHead:
+    """Load a head directory strictly (every tensor named above, nothing else) for this target."""
+    from engine.models.loader import load_hf_config, load_weights, open_checkpoint
+
+    config = load_hf_config(path)
+    eagle = getattr(config, "eagle", None)
+    if not isinstance(eagle, dict) or eagle.get("format") != HEAD_FORMAT or eagle.get("feature") != FEATURE:
+        raise ValueError(f"{path!r} is not an EAGLE head of format {HEAD_FORMAT} (its config.json needs "
+                         f'"eagle": {{"format": {HEAD_FORMAT}, "feature": "{FEATURE}"}})')
+    if config.hidden_size != target.hidden_size or eagle.get("target_vocab_size", target.vocab_size) != target.vocab_size:
+        raise ValueError(f"the EAGLE head in {path!r} was trained for a target with hidden size {config.hidden_size} "
+                         f"and {eagle.get('target_vocab_size')} tokens; this target has {target.hidden_size} and "
+                         f"{target.vocab_size}")
+    with torch.device("meta"):
+        head = EagleHead(config, target)
+    load_weights(head, open_checkpoint(path), dtype, torch.device(device))
+    head.init_buffers(torch.device(device), dtype)
+    return head.eval()

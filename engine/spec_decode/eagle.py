@@ -1,0 +1,70 @@
+"""EAGLE-style self-drafting: a one-layer head (engine/models/eagle.py) drafts from the target's
+own features, a chain of up to k tokens per request, batched over its requests.
+
+The head's input at position p is (the target's feature at p, the token at p + 1). The target
+runner keeps every computed position's feature in a paged buffer (ModelRunner.keep_features), so
+the head reads what it needs by block table: after a rejection, a preemption or a prefix-cache
+hit there is nothing to repair, only positions to (re)feed. The head's KV cache shares the
+target's block tables, like a draft model's; its cursor counts the positions fed with the
+target's features. Drafting runs the chain on the head's own outputs in place of the target's
+features, and those positions are fed again with the real ones once the target has computed them,
+so the cursor never moves past the target's computed tokens.
+
+Everything else (sampling, the confidence stop, seeded noise, cost reports) is the draft model's
+loop: EagleProposer is a DraftModelProposer whose forwards take features.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.model_runner import ForwardItem, ModelRunner
+from engine.request import Request
+from engine.scheduler import ScheduledRequest
+from engine.spec_decode.draft_model import DraftModelProposer
+
+
+class EagleProposer(DraftModelProposer):
+    method = "eagle"
+
+    def __init__(self, head: ModelRunner, target: ModelRunner, target_vocab_size: int,
+                 draft_temperature: float | None = None, on_forward=None):
+        super().__init__(head, target_vocab_size, draft_temperature, on_forward)
+        self.target = target
+        self._chain: dict[str, torch.Tensor] = {}   # during a proposal: each request's newest head output [H]
+
+    def catch_up_tokens(self, request: Request) -> int:
+        # The first forward always feeds the newest computed position; past that, each position the
+        # head has not seen with the target's feature (one plus the accepted drafts, every step).
+        return max(0, request.num_computed_tokens - self.cursor(request) - 1)
+
+    def _catch_up(self, items: list[ScheduledRequest]) -> torch.Tensor:
+        """Feed each request's pairs (feature p, token p + 1) from its cursor up to its newest
+        computed position; logits for the first draft."""
+        forward, spans, self._chain = [], [], {}
+        for item in items:
+            request = item.request
+            computed = request.num_computed_tokens      # the last token (at `computed`) is not in the target yet
+            start = min(self.cursor(request), computed - 1)   # always feed >= 1 position
+            forward.append(ForwardItem(request.token_ids[start + 1:computed + 1], start, request.block_table, 1))
+            spans.append((request.block_table, start, computed))
+            self._set_cursor(request, computed)
+        logits, hidden = self.runner.forward(forward, self.target.read_features(spans), return_hidden=True)
+        self._remember(items, hidden)
+        return logits
+
+    def _feed_drafts(self, items: list[ScheduledRequest], drafts: list[list[int]]) -> torch.Tensor:
+        """Feed each request (its newest head output, its newest draft token); logits for the next.
+        The cursor stays: these positions hold the head's guesses, not the target's features."""
+        forward = []
+        for item, tokens in zip(items, drafts):
+            request = item.request
+            forward.append(ForwardItem([tokens[-1]], request.num_computed_tokens + len(tokens) - 1,
+                                       request.block_table, 1))
+        features = torch.stack([self._chain[item.request.request_id] for item in items])
+        logits, hidden = self.runner.forward(forward, features, return_hidden=True)
+        self._remember(items, hidden)
+        return logits
+
+    def _remember(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        for item, row in zip(items, hidden):
+            self._chain[item.request.request_id] = row

@@ -1,0 +1,241 @@
+"""EAGLE heads served as a proposer: lossless (greedy token for token, sampling in distribution),
+the target's features reach the head at the right positions (after prefill chunks, rollbacks,
+preemption and prefix-cache hits), the head loads strictly, and bad configs fail at start-up."""
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_eagle_head, make_tiny_checkpoint
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.spec_decode.eagle import EagleProposer
+
+MAX_TOKENS = 14
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    target = make_tiny_checkpoint(root / "target", arch="llama", seed=0)
+    one_layer = make_tiny_checkpoint(root / "target1", arch="llama", seed=5, num_layers=1)
+    return {"target": str(target), "head": str(make_eagle_head(target, root / "head", seed=3)),
+            "target1": str(one_layer), "copy_head": str(make_eagle_head(one_layer, root / "copy", copy_target=True)),
+            "draft": str(make_tiny_checkpoint(root / "draft", arch="llama", seed=7, num_layers=1, hidden_size=32,
+                                              num_heads=2, num_kv_heads=1))}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    motif = [rng.randrange(256) for _ in range(6)]
+    out = [motif * 4 + [rng.randrange(256)], motif * 2, [5], [9, 9, 9, 9, 9, 9]]
+    return out + [[rng.randrange(256) for _ in range(n)] for n in (2, 11, 30, 64)]
+
+
+def run(config: EngineConfig, prompts, params=GREEDY, engine: Engine | None = None):
+    engine = engine or Engine(config)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    tokens = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    engine.pool.check_invariants()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    return [tokens[str(i)] for i in range(len(prompts))], engine
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(paths, prompts):
+    return run(EngineConfig(model=paths["target"], dtype="float32"), prompts)[0]
+
+
+def eagle(paths, gamma: int = 3, **extra) -> dict:
+    return {"method": "eagle", "head": paths["head"], "num_speculative_tokens": gamma, "adaptive": False, **extra}
+
+
+class TruthfulDrafts:
+    """Swap the head's drafts for the plain greedy continuation, each token kept with probability
+    alpha (else corrupted): a random head accepts almost nothing, and the rollback paths need
+    partial acceptance. The head still runs every forward it would."""
+
+    def __init__(self, proposer: EagleProposer, truth: dict[tuple, list[int]], alpha: float, seed: int = 0):
+        self.proposer, self.truth, self.alpha = proposer, truth, alpha
+        self.rng = random.Random(seed)
+        self.original = proposer.propose
+        proposer.propose = self.propose
+
+    def propose(self, items):
+        proposal = self.original(items)
+        for item, tokens in zip(items, proposal.draft_token_ids):
+            request = item.request
+            truth = self.truth[tuple(request.token_ids[:request.num_prompt_tokens])]
+            start = request.num_output_tokens
+            tokens[:] = [t if self.rng.random() < self.alpha else (t + 1) % 256
+                         for t in truth[start:start + len(tokens)]]
+        return proposal
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_greedy_eagle_is_lossless(paths, prompts, plain_greedy, gamma):
+    assert run(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, gamma)), prompts)[0] \
+        == plain_greedy
+
+
+def test_greedy_eagle_with_partial_acceptance_preemption_and_chunked_prefill(paths, prompts, plain_greedy):
+    """Few KV blocks (preemption), a small token budget (prefill chunks), accepted runs that end at
+    every depth: the output is still the plain greedy output."""
+    config = EngineConfig(model=paths["target"], dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=24,
+                          speculative=eagle(paths, 4))
+    engine = Engine(config)
+    truth = {tuple(p): out + [0] * 16 for p, out in zip(prompts, plain_greedy)}
+    TruthfulDrafts(engine.proposer.proposers["eagle"], truth, alpha=0.7)
+    outputs, engine = run(config, prompts, engine=engine)
+    assert outputs == plain_greedy
+    assert 0.2 < engine.totals.acceptance_rate < 0.95
+    assert all(engine.totals.accepted_per_position)   # accepted runs reached every depth
+
+
+def test_auto_routes_between_eagle_draft_and_ngram_losslessly(paths, prompts, plain_greedy):
+    spec = {"method": "auto", "head": paths["head"], "model": paths["draft"], "num_speculative_tokens": 4}
+    outputs, engine = run(EngineConfig(model=paths["target"], dtype="float32", speculative=spec), prompts)
+    assert outputs == plain_greedy
+    assert engine.proposer.methods == ["draft", "eagle", "ngram", "suffix"]
+
+
+def test_the_head_reads_the_targets_features_at_the_right_positions(paths, prompts, plain_greedy):
+    """Every feature the head is fed equals transformers' final (normed) hidden state of the target at
+    that position of the request's final token sequence: after prefill chunks, rollbacks (partial
+    acceptance), preemption (few blocks) and a prefix-cache hit (a prompt run again)."""
+    from transformers import AutoModelForCausalLM
+
+    config = EngineConfig(model=paths["target"], dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=20,
+                          speculative=eagle(paths, 4))
+    engine = Engine(config)
+    proposer = engine.proposer.proposers["eagle"]
+    truth = {tuple(p): out + [0] * 16 for p, out in zip(prompts, plain_greedy)}
+    TruthfulDrafts(proposer, truth, alpha=0.6)
+    seen, batch_ids = [], []   # (run, request id, start, end, features fed)
+    catch_up, read, preempt, match = (proposer._catch_up, engine.target.read_features, engine.scheduler._preempt,
+                                      engine.pool.match_prefix)
+
+    def recording_catch_up(items):
+        batch_ids[:] = [item.request.request_id for item in items]
+        return catch_up(items)
+
+    def recording_read(spans):
+        features = read(spans)
+        offsets = np.cumsum([0] + [end - start for _, start, end in spans])
+        for rid, (_, start, end), offset in zip(batch_ids, spans, offsets):
+            seen.append((len(runs), rid, start, end, features[offset:offset + end - start].clone()))
+        return features
+    preempted, hits = [], []
+    proposer._catch_up, engine.target.read_features = recording_catch_up, recording_read
+    engine.scheduler._preempt = lambda request, out: (preempted.append(request.request_id), preempt(request, out))
+    engine.pool.match_prefix = lambda ids: (lambda blocks: (hits.append(len(blocks)), blocks)[1])(match(ids))
+
+    runs = []
+    for batch in (prompts, prompts[-1:], prompts[-1:]):   # the last prompt alone twice: a prefix-cache hit
+        outputs = run(config, batch, engine=engine)[0]
+        runs.append((batch, outputs))
+    assert runs[0][1] == plain_greedy and runs[2][1] == runs[1][1] == plain_greedy[-1:]
+    assert preempted and hits[-1] >= 12   # the repeated 64-token prompt found its first blocks cached
+
+    model = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32)
+    with torch.no_grad():
+        hidden = [{str(i): model.model(torch.tensor([p + o])).last_hidden_state[0] for i, (p, o) in
+                   enumerate(zip(batch, outputs))} for batch, outputs in runs]
+    assert len(seen) > 50
+    for index, rid, start, end, features in seen:
+        torch.testing.assert_close(features, hidden[index][rid][start:end], atol=2e-4, rtol=1e-4)
+    assert sum(start > 0 for _, _, start, _, _ in seen) > 20   # caught up step by step, not from scratch
+
+
+def exact_three_tokens(path: str, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
+    """P(t1, t2, t3 | prompt) under the request's warping, over the (top-k) support."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.sampler import SamplingTensors, warp_probs
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + p for p in prefixes])).logits[:, -1]
+        return warp_probs(logits, SamplingTensors.from_params([params] * len(prefixes), "cpu")).double()
+    joint = {(): 1.0}
+    for _ in range(3):
+        prefixes = list(joint)
+        probs = next_probs([list(p) for p in prefixes])
+        joint = {p + (t,): joint[p] * probs[i, t].item() for i, p in enumerate(prefixes)
+                 for t in probs[i].nonzero().flatten().tolist()}
+    return joint
+
+
+def test_eagle_sampling_matches_the_target_distribution(paths):
+    """Sampled tokens through the head's drafts (rejection sampling against its q) follow the
+    target's distribution: chi-square of the first three tokens (t2, t3 drafted and judged), with
+    head and n-gram drafts verified in the same passes. The head copies the target, so its drafts
+    are accepted often and rejected often enough that every branch of the sampler runs."""
+    from helpers import pooled_chisquare
+
+    rng = random.Random(4)
+    prompt = [rng.randrange(256) for _ in range(12)] + [3, 17, 42, 3, 17]
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=5, ignore_eos=True)
+    exact = exact_three_tokens(paths["target1"], prompt, params)
+    spec = {"method": "auto", "head": paths["copy_head"], "num_speculative_tokens": 2, "adaptive": False,
+            "proposers": ["eagle", "ngram"], "ngram_max": 2}
+    engine = Engine(EngineConfig(model=paths["target1"], dtype="float32", max_num_seqs=1024, num_kv_blocks=4096,
+                                 max_num_batched_tokens=16384, speculative=spec))
+    counts = dict.fromkeys(exact, 0)
+    mixed = 0
+    for start in range(0, 8000, 2000):
+        seqs = {}
+        for i in range(start, start + 2000):
+            method = ("eagle", "eagle", "ngram")[i % 3]
+            engine.add_request(str(i), prompt, dataclasses.replace(params, speculative_method=method))
+            seqs[str(i)] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seqs[out.request_id].extend(out.new_token_ids)
+            mixed += {m for m, _, _ in engine.last_stats.drafts_by_method} >= {"eagle", "ngram"}
+        for tokens in seqs.values():
+            counts[tuple(tokens[:3])] += 1
+    assert mixed > 0 and 0.4 < engine.totals.acceptance_rate < 0.95, engine.totals
+    keys = sorted(exact)
+    observed, expected = np.array([counts[k] for k in keys]), np.array([exact[k] for k in keys])
+    assert pooled_chisquare(observed, expected / expected.sum()) > 1e-3
+    for position in range(3):   # each token's marginal too (the joint pools thin cells)
+        marginal = {}
+        for k, o, e in zip(keys, observed, expected):
+            mo, me = marginal.get(k[position], (0, 0.0))
+            marginal[k[position]] = (mo + o, me + e)
+        o, e = np.array([v[0] for v in marginal.values()]), np.array([v[1] for v in marginal.values()])
+        assert pooled_chisquare(o, e / e.sum()) > 1e-3, position
+
+
+def test_bad_eagle_configs_fail_at_start_up(paths, tmp_path):
+    with pytest.raises(ValueError, match="speculative.head"):
+        EngineConfig(model=paths["target"], speculative={"method": "eagle"})
+    with pytest.raises(ValueError, match="not an EAGLE head"):
+        EngineConfig(model=paths["target"], speculative={"method": "eagle", "head": paths["draft"]})
+    other = make_tiny_checkpoint(tmp_path / "wide", arch="llama", hidden_size=96, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="hidden size"):
+        Engine(EngineConfig(model=str(other), dtype="float32", speculative=eagle(paths)))
+    broken = make_eagle_head(paths["target"], tmp_path / "broken")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["norm.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensors: norm.weight"):
+        Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(broken))))
+    config = json.loads((broken / "config.json").read_text())
+    config["eagle"]["format"] = 99
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="format 1"):
+        Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(broken))))
