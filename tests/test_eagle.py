@@ -239,3 +239,29 @@ def test_bad_eagle_configs_fail_at_start_up(paths, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="format 1"):
         Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(broken))))
+
+
+def test_the_served_head_computes_what_training_computed(paths, tmp_path):
+    """The contract between train/eagle_head.py and engine/models/eagle.py: a head exported by the
+    trainer, loaded by the engine, gives the trainer's teacher-forced logits (position p from the
+    target's feature at p and the token at p + 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_runner import ForwardItem
+    from train.eagle_head import EagleHeadTrainer, head_logits_teacher_forced
+    target = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32)
+    head = EagleHeadTrainer.from_target(target)
+    with torch.no_grad():   # away from the initialisation (which copies the target's last layer)
+        for parameter in head.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(0)))
+    head.save_pretrained(tmp_path / "head", dtype=torch.float32)
+    ids = torch.randint(3, 250, (1, 20), generator=torch.Generator().manual_seed(1))
+    expected = head_logits_teacher_forced(head, target, ids)[0]          # [19, V]
+
+    engine = Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(tmp_path / "head"))))
+    table: list[int] = []
+    engine.pool.allocate(table, 32)
+    engine.target.forward([ForwardItem(ids[0].tolist(), 0, table, 0)])   # the target keeps its features
+    features = engine.target.read_features([(table, 0, 19)])
+    served = engine.proposer.proposers["eagle"].runner.forward([ForwardItem(ids[0, 1:].tolist(), 0, table, 19)], features)
+    torch.testing.assert_close(served, expected, atol=1e-4, rtol=1e-4)

@@ -20,6 +20,10 @@ variation), optionally plus ``ce_weight`` x next-token cross-entropy.
 Checkpoints (``<out>/checkpoint``) are resumable; the final draft is a plain
 Hugging Face directory in ``<out>`` with the target's tokenizer files.
 
+`specserve distill --head eagle ...` trains an EAGLE-style self-drafting head (one decoder layer
+over the target's own features, unrolled as it drafts) instead of a draft model: see train/eagle.py
+(`specserve distill --head eagle --help` for its flags).
+
 Before and after training it reports, on a held-out slice (every 50th conversation or file, or
 the last 5% of the tokens of a single file): the draft's greedy acceptance against the target
 (the fraction of trained positions where the draft's argmax equals the target's, teacher-forced),
@@ -520,11 +524,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train for this many minutes (cosine LR over elapsed time) instead of --steps")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (resume later)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--head", choices=["eagle"], default=None,
+                   help="train an EAGLE head instead of a draft model (train/eagle.py; its own flags)")
     return p
 
 
+def _head_argv(argv: list[str]) -> list[str] | None:
+    """argv without `--head eagle` (or `--head=eagle`) when it asks for a head; None when it does not."""
+    for i, arg in enumerate(argv):
+        if arg == "--head" or arg.startswith("--head="):
+            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value != "eagle":
+                raise SystemExit(f"specserve distill: error: --head {value!r}: the only head is 'eagle'")
+            return argv[:i] + argv[i + (1 if "=" in arg else 2):]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head_argv = _head_argv(argv)
+    if head_argv is not None:   # specserve distill --head eagle: train/eagle.py
+        from train import eagle
+
+        return eagle.main(head_argv)
     args = vars(build_parser().parse_args(argv))
+    args.pop("head")
     cfg = DistillConfig(**args)
     try:
         stats = distill(cfg)
