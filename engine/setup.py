@@ -99,9 +99,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
         draft_model = _load(spec.model, draft_dtype, device)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
-        head = load_eagle_head(spec.head, target_model, dtype, device)
-        if packed_linear_available(device, dtype):
-            pack_linears(head)
+        head = _packed(load_eagle_head(spec.head, target_model, dtype, device), dtype, device)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
     if draft_config is not None:
@@ -149,7 +147,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 
 def _load(path: str, dtype: torch.dtype, device: torch.device):
-    model = load_model(path, dtype, device)
+    return _packed(load_model(path, dtype, device), dtype, device)
+
+
+def _packed(model, dtype: torch.dtype, device: torch.device):
     if packed_linear_available(device, dtype):   # cheaper small-batch matmuls on CPU (verification)
         pack_linears(model)
     return model

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -155,6 +156,55 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int, min_ratio: float 
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def scheduled_lr(cfg, step: int, time_fraction: float | None) -> float:
+    """Warmup then cosine (cfg: lr, warmup, steps, min_lr_ratio), over steps or (with a time budget)
+    over the elapsed fraction of it."""
+    if time_fraction is None or step < cfg.warmup:
+        return cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+    return cosine_lr(1000 + int(9000 * min(time_fraction, 1.0)), 10000, cfg.lr, 1000, cfg.min_lr_ratio)
+
+
+def adamw(model, cfg) -> torch.optim.AdamW:
+    """AdamW over model's parameters (cfg: lr, weight_decay), no decay on vectors (norms, biases)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+
+
+def train_device(name: str) -> torch.device:
+    """``auto`` (cuda when present), or a device name."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def progress_bar(cfg, start: int, desc: str):
+    """A step counter (cfg: steps, time_budget_min, progress): open-ended under a time budget, and
+    quiet (every 30 s) when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(total=None if cfg.time_budget_min else cfg.steps, initial=start, desc=desc, unit="step",
+                disable=not cfg.progress, mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
+
+
+def add_run_options(p, defaults) -> None:
+    """The flags every trainer shares: optimiser, precision, device, threads, resuming, budget, progress."""
+    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=defaults.precision,
+                   help="bf16 autocast or fp32 (auto: bf16 on CUDA, and on CPUs with native bf16)")
+    p.add_argument("--device", default=defaults.device, help="auto (cuda when present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
+    p.add_argument("--time-budget-min", type=float, default=0.0,
+                   help="train for this many minutes (cosine LR over elapsed time) instead of --steps")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this step (resume later)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def resolve_precision(precision: str, device: torch.device) -> bool:

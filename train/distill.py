@@ -51,19 +51,23 @@ from train.common import (
     HELD_OUT_EVERY,
     TrainError,
     Throughput,
+    adamw,
+    add_run_options,
     autocast,
     corpus_files,
-    cosine_lr,
     count_params,
     eval_windows,
     load_checkpoint_state,
+    progress_bar,
     resolve_precision,
     sample_batch,
     save_checkpoint,
+    scheduled_lr,
     set_seed,
     set_threads,
     split_files,
     tokenize_files,
+    train_device,
 )
 from train.draft_models import (
     SAVE_DTYPES,
@@ -219,13 +223,17 @@ def eos_token_id(target) -> int:
     return int(eos)
 
 
-def open_data(cfg: DistillConfig, out_dir: Path, target):
+def pad_token_id(target) -> int:
+    """The target's padding token, or its EOS when it names none."""
     pad = getattr(target.config, "pad_token_id", None)
-    pad = eos_token_id(target) if pad is None else pad
+    return eos_token_id(target) if pad is None else pad
+
+
+def open_data(cfg: DistillConfig, out_dir: Path, target):
     if cfg.corpus:
         return TextCorpus(cfg, out_dir, eos_token_id(target))
     path = Path(cfg.data) if cfg.data else generate_answers(cfg, out_dir)
-    return ChatData(cfg, path, pad)
+    return ChatData(cfg, path, pad_token_id(target))
 
 
 def generate_answers(cfg: DistillConfig, out_dir: Path) -> Path:
@@ -326,15 +334,6 @@ def describe(tag: str, metrics: dict) -> str:
 # ----------------------------------------------------------------------------- training
 
 
-def _optimizer(draft, cfg: DistillConfig):
-    decay = [p for p in draft.parameters() if p.dim() >= 2]
-    no_decay = [p for p in draft.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
-
-
 def _train_step(target, draft, optimizer, inputs, labels, cfg: DistillConfig, device, bf16: bool) -> float:
     with torch.no_grad():
         t_logits, _ = _logits(target, inputs, labels, device, bf16)
@@ -348,26 +347,6 @@ def _train_step(target, draft, optimizer, inputs, labels, cfg: DistillConfig, de
     torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
     optimizer.step()
     return loss.item()
-
-
-def _lr(cfg: DistillConfig, step: int, time_fraction: float | None) -> float:
-    """Warmup then cosine, over steps or (with a time budget) over the elapsed fraction of it."""
-    if time_fraction is None or step < cfg.warmup:
-        return cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
-    return cosine_lr(1000 + int(9000 * min(time_fraction, 1.0)), 10000, cfg.lr, 1000, cfg.min_lr_ratio)
-
-
-def _progress(cfg: DistillConfig, start: int):
-    from tqdm import tqdm
-
-    return tqdm(total=None if cfg.time_budget_min else cfg.steps, initial=start, desc="distill", unit="step", disable=not cfg.progress,
-                mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
-
-
-def _device(cfg: DistillConfig) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
 
 
 def _draft(cfg: DistillConfig, target, ckpt_dir: Path):
@@ -404,12 +383,12 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     set_seed(cfg.seed)
     _check(cfg)
     out_dir, ckpt_dir = Path(cfg.out), Path(cfg.out) / "checkpoint"
-    device = _device(cfg)
+    device = train_device(cfg.device)
     bf16 = resolve_precision(cfg.precision, device)
     target = load_target(cfg.target, device)
     data = open_data(cfg, out_dir, target)
     draft = _draft(cfg, target, ckpt_dir).to(device)
-    optimizer = _optimizer(draft, cfg)
+    optimizer = adamw(draft, cfg)
     resuming = cfg.resume and (ckpt_dir / "state.json").exists()
     if resuming:
         state = load_checkpoint_state(ckpt_dir, optimizer)
@@ -422,7 +401,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
         state["before"] = evaluate(target, draft, data, cfg.gamma, device, bf16)
     log(describe("before", state["before"]))
 
-    meter, bar = Throughput(), _progress(cfg, state["step"])
+    meter, bar = Throughput(), progress_bar(cfg, state["step"], "distill")
     t0 = time.time()
     budget_s = 60 * cfg.time_budget_min
     steps = 10**9 if budget_s else cfg.steps
@@ -434,7 +413,7 @@ def distill(cfg: DistillConfig, log=print) -> dict:
     while not done():
         step = state["step"]
         for group in optimizer.param_groups:
-            group["lr"] = _lr(cfg, step, state["train_seconds"] / budget_s if budget_s else None)
+            group["lr"] = scheduled_lr(cfg, step, state["train_seconds"] / budget_s if budget_s else None)
         inputs, labels = data.batch(step)
         loss = _train_step(target, draft, optimizer, inputs, labels, cfg, device, bf16)
         n_tok = int((labels != IGNORE).sum())
@@ -509,21 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("steps", "batch_size", "seq_len", "warmup", "gamma", "eval_windows", "held_out_every",
                  "seed", "ckpt_every"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "ce_weight"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight)
     p.add_argument("--loss", choices=["kl", "tv"], default=d.loss)
-    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=d.precision,
-                   help="bf16 autocast or fp32 (auto: bf16 on CUDA, and on CPUs with native bf16)")
-    p.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda, cuda:1, ...")
     p.add_argument("--save-format", choices=["safetensors", "gguf"], default=d.save_format)
     p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default=d.save_dtype)
     p.add_argument("--gguf-type", default=d.gguf_type, help="matrix type with --save-format gguf (Q8_0, F16, ...)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
-    p.add_argument("--time-budget-min", type=float, default=0.0,
-                   help="train for this many minutes (cosine LR over elapsed time) instead of --steps")
-    p.add_argument("--stop-at", type=int, default=None, help="stop after this step (resume later)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_run_options(p, d)
     p.add_argument("--head", choices=["eagle"], default=None,
                    help="train an EAGLE head instead of a draft model (train/eagle.py; its own flags)")
     return p

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +36,10 @@ import torch
 
 from train.chat_data import IGNORE, collate, sample_examples
 from train.common import (
-    HELD_OUT_EVERY, TrainError, Throughput, autocast, count_params, load_checkpoint_state, resolve_precision,
-    save_checkpoint, set_seed, set_threads,
+    HELD_OUT_EVERY, TrainError, Throughput, adamw, add_run_options, autocast, count_params, load_checkpoint_state,
+    progress_bar, resolve_precision, save_checkpoint, scheduled_lr, set_seed, set_threads, train_device,
 )
-from train.distill import ChatData, _lr, eos_token_id, generate_answers
+from train.distill import ChatData, generate_answers, pad_token_id
 from train.draft_models import SAVE_DTYPES, load_target
 from train.eagle_head import (
     HEAD_TENSORS, EagleHeadTrainer, head_config, head_logits_teacher_forced, target_features,
@@ -267,26 +266,6 @@ def _check(cfg: EagleConfig) -> None:
         raise TrainError(f"unknown save dtype {cfg.save_dtype!r} ({', '.join(SAVE_DTYPES)})")
 
 
-def _device(cfg: EagleConfig) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
-
-
-def _progress(cfg: EagleConfig, start: int):
-    from tqdm import tqdm
-
-    return tqdm(total=None if cfg.time_budget_min else cfg.steps, initial=start, desc="eagle", unit="step",
-                disable=not cfg.progress, mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
-
-
-def _optimizer(head: EagleHeadTrainer, cfg: EagleConfig):
-    decay = [p for p in head.parameters() if p.dim() >= 2]
-    no_decay = [p for p in head.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-
-
 def _train_step(head, optimizer, cache: FeatureCache, examples, cfg: EagleConfig, device, bf16: bool):
     inputs, labels, features = cache.batch(examples)
     loss, per_step = chain_loss(head, features, inputs, labels, cfg.unroll, device, bf16)
@@ -303,17 +282,16 @@ def train_eagle(cfg: EagleConfig, log=print) -> dict:
     set_seed(cfg.seed)
     _check(cfg)
     out_dir, ckpt_dir = Path(cfg.out), Path(cfg.out) / "checkpoint"
-    device = _device(cfg)
+    device = train_device(cfg.device)
     bf16 = resolve_precision(cfg.precision, device)
     target = load_target(cfg.target, device)
-    pad = getattr(target.config, "pad_token_id", None)
-    pad = eos_token_id(target) if pad is None else pad
+    pad = pad_token_id(target)
     data = ChatData(cfg, Path(cfg.data) if cfg.data else generate_answers(cfg, out_dir), pad)
     resuming = cfg.resume and (ckpt_dir / "state.json").exists()
     head = (EagleHeadTrainer.load(ckpt_dir, target) if resuming else EagleHeadTrainer.from_target(target, cfg.unroll))
     head.head_config["eagle"]["unroll"] = cfg.unroll
     head = head.to(device).train()
-    optimizer = _optimizer(head, cfg)
+    optimizer = adamw(head, cfg)
     state = load_checkpoint_state(ckpt_dir, optimizer) if resuming else {"step": 0, "tokens": 0, "train_seconds": 0.0}
     if resuming:
         log(f"resumed from {ckpt_dir} at step {state['step']}")
@@ -325,7 +303,7 @@ def train_eagle(cfg: EagleConfig, log=print) -> dict:
         state["before"] = evaluate(head, data, held_cache, cfg.unroll, device, bf16)
     log(describe("before", state["before"]))
 
-    meter, bar = Throughput(), _progress(cfg, state["step"])
+    meter, bar = Throughput(), progress_bar(cfg, state["step"], "eagle")
     budget_s = 60 * cfg.time_budget_min
     steps = 10**9 if budget_s else cfg.steps
     last_step = min(steps, cfg.stop_at or steps)
@@ -337,7 +315,7 @@ def train_eagle(cfg: EagleConfig, log=print) -> dict:
     while not done():
         step = state["step"]
         for group in optimizer.param_groups:
-            group["lr"] = _lr(cfg, step, state["train_seconds"] / budget_s if budget_s else None)
+            group["lr"] = scheduled_lr(cfg, step, state["train_seconds"] / budget_s if budget_s else None)
         examples = sample_examples(data.train, step, cfg.seed, cfg.batch_size)
         loss, per_step, n_tok = _train_step(head, optimizer, train_cache, examples, cfg, device, bf16)
         state["step"] += 1
@@ -389,18 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("generate_count", "generate_max_tokens", "unroll", "steps", "batch_size", "seq_len", "warmup",
                  "eval_windows", "held_out_every", "seed", "ckpt_every"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
-    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=d.precision,
-                   help="bf16 autocast or fp32 (auto: bf16 on CUDA, and on CPUs with native bf16)")
-    p.add_argument("--device", default=d.device, help="auto (cuda when present), cpu, cuda, cuda:1, ...")
     p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default=d.save_dtype)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
-    p.add_argument("--time-budget-min", type=float, default=0.0,
-                   help="train for this many minutes (cosine LR over elapsed time) instead of --steps")
-    p.add_argument("--stop-at", type=int, default=None, help="stop after this step (resume later)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_run_options(p, d)
     return p
 
 
