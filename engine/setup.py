@@ -92,14 +92,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if (target_flash or draft_flash) and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
-    target_model = _load(config.model, dtype, device)
+    target_model = load_model(config.model, dtype, device)
     draft_model = draft_config = head = None
     if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
         draft_model = _load(spec.model, draft_dtype, device)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
+        # Before the target is packed: a draft vocabulary copies rows of its LM head.
         head = _packed(load_eagle_head(spec.head, target_model, dtype, device), dtype, device)
+    target_model = _packed(target_model, dtype, device)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
     if draft_config is not None:

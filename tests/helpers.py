@@ -212,14 +212,17 @@ EAGLE_TENSORS = ("fc.weight", "layer.input_layernorm.weight", "layer.self_attn.q
                  "layer.mlp.down_proj.weight", "norm.weight")
 
 
-def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target: bool = False) -> Path:
+def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target: bool = False,
+                    draft_vocab: list[int] | None = None) -> Path:
     """An EAGLE head directory (the format engine/models/eagle.py loads) for a target checkpoint: the
     target's config with the eagle block, and random fp32 weights of the right shapes.
 
     copy_target (a one-layer target): fc passes the token's embedding and drops the feature, and the
     layer and norm are the target's, so the head at position p computes the target at p + 1 over
     the tokens after the first (RoPE sees only relative positions): a head that agrees with its
-    target almost always, for tests that need high acceptance."""
+    target almost always, for tests that need high acceptance.
+
+    draft_vocab: the (ascending) token ids the head may draft."""
     import json
 
     from safetensors.torch import save_file
@@ -259,5 +262,9 @@ def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target
                                  name.replace("layer.", "model.layers.0.", 1)].clone()
                    for name in EAGLE_TENSORS if name != "fc.weight"}
         tensors["fc.weight"] = torch.cat((torch.zeros(hidden, hidden), torch.eye(hidden)), dim=1)
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = torch.tensor(draft_vocab, dtype=torch.long)
+        config["eagle"]["draft_vocab_size"] = len(draft_vocab)
+        (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))
     return path

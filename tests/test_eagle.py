@@ -109,6 +109,49 @@ def test_auto_routes_between_eagle_draft_and_ngram_losslessly(paths, prompts, pl
     assert engine.proposer.methods == ["draft", "eagle", "ngram", "suffix"]
 
 
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(paths, prompts, tmp_path):
+    """A head with a reduced vocabulary (EAGLE-3's) drafts only its tokens; where the target's
+    choice lies outside it, the draft is rejected and the output is still plain greedy's."""
+    plain = run(EngineConfig(model=paths["target1"], dtype="float32"), prompts)[0]
+    vocab = [t for t in range(256) if t % 4]                      # a quarter of the tokens left out
+    head = make_eagle_head(paths["target1"], tmp_path / "reduced", copy_target=True, draft_vocab=vocab)
+    config = EngineConfig(model=paths["target1"], dtype="float32",
+                          speculative=eagle(paths, 4, head=str(head)))
+    engine = Engine(config)
+    proposer = engine.proposer.proposers["eagle"]
+    drafted: list[int] = []
+    original = proposer.propose
+
+    def recording(items):
+        proposal = original(items)
+        for tokens in proposal.draft_token_ids:
+            drafted.extend(tokens)
+        return proposal
+    proposer.propose = recording
+    outputs, engine = run(config, prompts, engine=engine)
+    assert outputs == plain
+    assert drafted and set(drafted) <= set(vocab)
+    assert engine.totals.acceptance_rate > 0.3, engine.totals   # the copy head still agrees, inside its vocabulary
+    assert any(t % 4 == 0 for out in plain for t in out)        # the target did choose tokens the head cannot
+
+
+def test_bad_draft_vocabularies_fail_at_start_up(paths, tmp_path):
+    from safetensors.torch import load_file, save_file
+    head = make_eagle_head(paths["target"], tmp_path / "head", draft_vocab=[1, 5, 9])
+    config = json.loads((head / "config.json").read_text())
+    config["eagle"]["draft_vocab_size"] = 4
+    (head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(head))))
+    config["eagle"]["draft_vocab_size"] = 3
+    (head / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(head / "model.safetensors"))
+    tensors["draft_vocab"] = torch.tensor([5, 1, 9])
+    save_file(tensors, str(head / "model.safetensors"))
+    with pytest.raises(ValueError, match="ascending token ids"):
+        Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(head))))
+
+
 def test_the_head_reads_the_targets_features_at_the_right_positions(paths, prompts, plain_greedy):
     """Every feature the head is fed equals transformers' final (normed) hidden state of the target at
     that position of the request's final token sequence: after prefill chunks, rollbacks (partial
@@ -247,7 +290,6 @@ def test_the_served_head_computes_what_training_computed(paths, tmp_path):
     target's feature at p and the token at p + 1)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.model_runner import ForwardItem
     from train.eagle_head import EagleHeadTrainer, head_logits_teacher_forced
     target = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32)
     head = EagleHeadTrainer.from_target(target)
@@ -258,7 +300,22 @@ def test_the_served_head_computes_what_training_computed(paths, tmp_path):
     ids = torch.randint(3, 250, (1, 20), generator=torch.Generator().manual_seed(1))
     expected = head_logits_teacher_forced(head, target, ids)[0]          # [19, V]
 
-    engine = Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(tmp_path / "head"))))
+    assert_served_logits(paths, tmp_path / "head", ids, expected)
+
+    # With a draft vocabulary: the trainer's logits over it, and no mass anywhere else.
+    vocab = list(range(0, 256, 3))
+    head.set_draft_vocab(vocab)
+    head.save_pretrained(tmp_path / "reduced", dtype=torch.float32)
+    reduced = head_logits_teacher_forced(head, target, ids)[0]          # [19, len(vocab)]
+    expected = torch.full((19, target.config.vocab_size), float("-inf"))
+    expected[:, vocab] = reduced
+    assert_served_logits(paths, tmp_path / "reduced", ids, expected)
+
+
+def assert_served_logits(paths, head_dir, ids, expected):
+    """The engine's head logits, teacher-forced over ids (features from the engine's target)."""
+    from engine.model_runner import ForwardItem
+    engine = Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(head_dir))))
     table: list[int] = []
     engine.pool.allocate(table, 32)
     engine.target.forward([ForwardItem(ids[0].tolist(), 0, table, 0)])   # the target keeps its features

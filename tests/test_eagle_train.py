@@ -130,6 +130,41 @@ def test_resume_continues_from_checkpoint(target_dir, chat_data, tmp_path):
         torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-3, atol=1e-4)
 
 
+def test_a_draft_vocabulary_is_chosen_from_the_answers_trained_exported_and_kept_on_resume(
+        target_dir, chat_data, tmp_path):
+    from safetensors import safe_open
+
+    from train.chat_data import ChatExample
+    from train.eagle import choose_draft_vocab
+    examples = [ChatExample(torch.tensor([1, 2, 3, 7, 7, 8]).numpy(), 3), ChatExample(torch.tensor([4, 7, 9]).numpy(), 1)]
+    vocab, covered = choose_draft_vocab(examples, 3, 256)
+    assert vocab == [7, 8, 9] and covered == 1.0           # answer tokens first
+    vocab, covered = choose_draft_vocab(examples, 2, 256)
+    assert vocab == [7, 8] and covered == pytest.approx(4 / 5)
+    assert choose_draft_vocab(examples, 6, 256)[0] == [1, 2, 3, 7, 8, 9]   # then prompt tokens
+    assert choose_draft_vocab(examples, 9, 256)[0] == [0, 1, 2, 3, 4, 5, 7, 8, 9]   # then the lowest ids
+
+    run = dict(steps=8, unroll=2, ckpt_every=4, draft_vocab=96)
+    messages = []
+    stopped = train_eagle(cfg(target_dir, chat_data, tmp_path / "run", stop_at=4, **run), log=messages.append)
+    assert stopped["stopped"] and any("draft vocabulary: 96 of" in m for m in messages)
+    messages = []
+    stats = train_eagle(cfg(target_dir, chat_data, tmp_path / "run", resume=True, **dict(run, draft_vocab=64)),
+                        log=messages.append)
+    assert any("keeping the checkpoint's draft vocabulary of 96" in m for m in messages)
+    assert 1.0 <= stats["after"]["expected_tokens_per_forward"] <= 3.0
+    with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(HEAD_TENSORS + ["draft_vocab"])
+        ids = f.get_tensor("draft_vocab")
+    assert ids.dtype == torch.long and len(ids) == 96 and bool((ids[1:] > ids[:-1]).all())
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["eagle"]["draft_vocab_size"] == 96
+    target = load_hf(target_dir)
+    head = EagleHeadTrainer.load(tmp_path / "run", target)
+    assert torch.equal(head.draft_vocab, ids)
+    logits = head_logits_teacher_forced(head, target, torch.randint(0, 256, (1, 10)))
+    assert logits.shape == (1, 9, 96)
+
+
 # ---- the training-time-test attention -------------------------------------------------------------
 
 

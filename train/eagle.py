@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class EagleConfig:
     time_budget_min: float = 0.0  # > 0: cosine LR over elapsed training time, stop when spent
     stop_at: int | None = None  # stop after this step as if interrupted
     progress: bool = True
+    draft_vocab: int = 0  # > 0: draft only this many most frequent answer tokens (EAGLE-3's reduced vocabulary)
 
 
 # ----------------------------------------------------------------------------- features
@@ -129,12 +131,16 @@ def step_masks(labels: torch.Tensor, steps: int) -> list[torch.Tensor]:
 
 
 class Teacher:
-    """The target's distribution at the answer positions (labels != IGNORE), from the features."""
+    """The target's distribution at the answer positions (labels != IGNORE), from the features; with
+    a draft vocabulary, restricted to it and renormalized (what the head can match). With
+    `argmax`, also the target's own choice over the whole vocabulary (what acceptance compares)."""
 
-    def __init__(self, head: EagleHeadTrainer, features, labels, device, bf16: bool):
+    def __init__(self, head: EagleHeadTrainer, features, labels, device, bf16: bool, argmax: bool = False):
         trained = labels != IGNORE
         with torch.no_grad(), autocast(device, bf16):
             logits = head.logits(features[trained].to(device))
+            if argmax:
+                self.argmax = head.target_logits(features[trained].to(device)).argmax(-1)
         self.probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         self.entropy = torch.cat([-torch.special.xlogy(part, part).sum(-1) for part in self.probs.split(LOSS_CHUNK)])
         self.row = torch.full(labels.shape, -1, dtype=torch.long)
@@ -210,7 +216,7 @@ def evaluate(head: EagleHeadTrainer, data: ChatData, cache: FeatureCache, unroll
     chain_count = 0
     for start in range(0, len(data.held), 4):
         inputs, labels, features = cache.batch(data.held[start:start + 4])
-        teacher = Teacher(head, features, labels, device, bf16)
+        teacher = Teacher(head, features, labels, device, bf16, argmax=True)
         with autocast(device, bf16):
             outs = head.unrolled(features.to(device), inputs.to(device), unroll)
         masks = step_masks(labels, unroll)
@@ -223,7 +229,7 @@ def evaluate(head: EagleHeadTrainer, data: ChatData, cache: FeatureCache, unroll
                 logp = torch.log_softmax(head.logits(out[mask.to(device)]).float(), dim=-1)
             t_probs = teacher.probs[rows]
             kl[j - 1] += (-(t_probs * logp).sum() - teacher.entropy[rows].sum()).item()
-            agree = (logp.argmax(-1) == t_probs.argmax(-1)).cpu()
+            agree = (head.token_ids(logp.argmax(-1)) == teacher.argmax[rows]).cpu()
             match[j - 1] += agree.sum().item()
             count[j - 1] += len(rows)
             all_so_far &= agree[full[mask]]      # the chain anchors among step j's anchors
@@ -266,6 +272,38 @@ def _check(cfg: EagleConfig) -> None:
         raise TrainError(f"unknown save dtype {cfg.save_dtype!r} ({', '.join(SAVE_DTYPES)})")
 
 
+def choose_draft_vocab(examples, size: int, vocab_size: int) -> tuple[list[int], float]:
+    """The `size` tokens the head may draft: the most frequent answer tokens, then prompt tokens,
+    then the lowest ids (BPE's earliest merges: the most common strings). Returns them and the
+    share of answer tokens they cover."""
+    answers, prompts = Counter(), Counter()
+    for example in examples:
+        answers.update(example.token_ids[example.answer_start:].tolist())
+        prompts.update(example.token_ids[:example.answer_start].tolist())
+    chosen = dict.fromkeys(t for t, _ in answers.most_common(size))
+    chosen.update(dict.fromkeys(t for t, _ in prompts.most_common(size)))
+    chosen.update(dict.fromkeys(range(min(size, vocab_size))))
+    vocab = sorted(list(chosen)[:size])
+    kept = set(vocab)
+    covered = sum(n for t, n in answers.items() if t in kept) / max(1, sum(answers.values()))
+    return vocab, covered
+
+
+def _set_draft_vocab(head: EagleHeadTrainer, cfg: EagleConfig, data: ChatData, log) -> None:
+    """Give a head without a draft vocabulary the one --draft-vocab asks for (a resumed head keeps
+    its own: its training so far was against it)."""
+    if head.draft_vocab is not None:
+        if cfg.draft_vocab and cfg.draft_vocab != len(head.draft_vocab):
+            log(f"keeping the checkpoint's draft vocabulary of {len(head.draft_vocab)} tokens")
+        return
+    vocab_size = head.head_config["eagle"]["target_vocab_size"]
+    if not cfg.draft_vocab or cfg.draft_vocab >= vocab_size:
+        return
+    vocab, covered = choose_draft_vocab(data.train, cfg.draft_vocab, vocab_size)
+    head.set_draft_vocab(vocab)
+    log(f"draft vocabulary: {len(vocab)} of {vocab_size} tokens, {100 * covered:.2f}% of the training answers' tokens")
+
+
 def _train_step(head, optimizer, cache: FeatureCache, examples, cfg: EagleConfig, device, bf16: bool):
     inputs, labels, features = cache.batch(examples)
     loss, per_step = chain_loss(head, features, inputs, labels, cfg.unroll, device, bf16)
@@ -290,6 +328,7 @@ def train_eagle(cfg: EagleConfig, log=print) -> dict:
     resuming = cfg.resume and (ckpt_dir / "state.json").exists()
     head = (EagleHeadTrainer.load(ckpt_dir, target) if resuming else EagleHeadTrainer.from_target(target, cfg.unroll))
     head.head_config["eagle"]["unroll"] = cfg.unroll
+    _set_draft_vocab(head, cfg, data, log)
     head = head.to(device).train()
     optimizer = adamw(head, cfg)
     state = load_checkpoint_state(ckpt_dir, optimizer) if resuming else {"step": 0, "tokens": 0, "train_seconds": 0.0}
@@ -365,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate-from", default=None, metavar="PROMPTS",
                    help="prompts JSONL (or 'builtin'): the target answers them first, into <out>/responses.jsonl")
     for name in ("generate_count", "generate_max_tokens", "unroll", "steps", "batch_size", "seq_len", "warmup",
-                 "eval_windows", "held_out_every", "seed", "ckpt_every"):
+                 "eval_windows", "held_out_every", "seed", "ckpt_every", "draft_vocab"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default=d.save_dtype)
     add_run_options(p, d)

@@ -11,6 +11,10 @@ the final norm, so that the target's logits at p are lm_head(h_p)):
 embed and lm_head are the target's (frozen, shared, not saved), and so is its rotary embedding
 (rope_theta / rope scaling exactly as the target's). out_p stands in for h_{p+1}, so the head chains:
 its next step, at position p + 1, takes (out_p, the token just drafted).
+
+With a draft vocabulary (EAGLE-3's reduced vocabulary), logits are lm_head's rows of those tokens
+only: on a small target the full LM head is most of the head's cost (49152 x 576 against a 4M
+parameter layer for SmolLM2-135M), and the few thousand tokens its answers use cover ~99% of them.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ HEAD_TENSORS = ("fc.weight", "layer.input_layernorm.weight", "layer.self_attn.q_
                 "layer.self_attn.k_proj.weight", "layer.self_attn.v_proj.weight", "layer.self_attn.o_proj.weight",
                 "layer.post_attention_layernorm.weight", "layer.mlp.gate_proj.weight", "layer.mlp.up_proj.weight",
                 "layer.mlp.down_proj.weight", "norm.weight")
+DRAFT_VOCAB = "draft_vocab"   # optional int64 tensor: the token ids the head may draft, ascending
 
 
 def head_config(target, unroll: int = 1, dtype: str = "bfloat16") -> dict:
@@ -77,6 +82,16 @@ class EagleHeadTrainer(nn.Module):
         # plain attributes, not submodules: kept out of parameters() and state_dict()
         self._shared = {"embed": target.get_input_embeddings(), "lm_head": target.get_output_embeddings(),
                         "rotary": target.get_decoder().rotary_emb}
+        self.register_buffer(DRAFT_VOCAB, None)   # all tokens, until set_draft_vocab
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Draft only these tokens (sorted, unique; saved with the head as DRAFT_VOCAB)."""
+        ids = torch.as_tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long)
+        vocab = self._shared["lm_head"].weight.shape[0]
+        if len(ids) == 0 or ids[0] < 0 or ids[-1] >= vocab:
+            raise TrainError(f"a draft vocabulary needs token ids in [0, {vocab})")
+        self.register_buffer(DRAFT_VOCAB, ids.to(self.fc.weight.device))
+        self.head_config["eagle"]["draft_vocab_size"] = len(ids)
 
     # ---------------------------------------------------------------- construction / io
 
@@ -104,10 +119,13 @@ class EagleHeadTrainer(nn.Module):
             raise TrainError(f"no EAGLE head in {path} (needs config.json and model.safetensors)")
         head = cls(json.loads((path / "config.json").read_text()), target).float()
         tensors = load_file(str(path / "model.safetensors"))
+        vocab = tensors.pop(DRAFT_VOCAB, None)
         missing, extra = set(HEAD_TENSORS) - set(tensors), set(tensors) - set(HEAD_TENSORS)
         if missing or extra:
             raise TrainError(f"{path}: head tensors missing {sorted(missing)}, unexpected {sorted(extra)}")
         head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+        if vocab is not None:
+            head.set_draft_vocab(vocab.tolist())
         return head
 
     def save_pretrained(self, path, dtype: torch.dtype = torch.float32, **_) -> None:
@@ -119,8 +137,10 @@ class EagleHeadTrainer(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         config = dict(self.head_config, dtype=str(dtype).replace("torch.", ""))
         (path / "config.json").write_text(json.dumps(config, indent=2))
-        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items() if k != DRAFT_VOCAB}
         assert tuple(sorted(tensors)) == tuple(sorted(HEAD_TENSORS)), sorted(tensors)
+        if self.draft_vocab is not None:
+            tensors[DRAFT_VOCAB] = self.draft_vocab.detach().cpu().contiguous()
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
     # ---------------------------------------------------------------- forward pieces
@@ -187,11 +207,21 @@ class EagleHeadTrainer(nn.Module):
         return outs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._shared["lm_head"](hidden)
+        """Over the draft vocabulary when there is one (column i is token draft_vocab[i])."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight.to(hidden.dtype))
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's own logits over its whole vocabulary."""
+        return self._shared["lm_head"](features)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self._shared["lm_head"].weight
+        weight = self._shared["lm_head"].weight
+        return weight if self.draft_vocab is None else weight[self.draft_vocab]
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of logits columns."""
+        return columns if self.draft_vocab is None else self.draft_vocab[columns]
 
     def plain_forward(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """One step over a whole sequence through transformers' own decoder layer with a causal mask:

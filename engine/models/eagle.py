@@ -15,7 +15,11 @@ The head directory (written by `specserve distill --head eagle`, train/eagle.py)
   config.json        the target's config with "architectures": ["EagleHead"], "num_hidden_layers": 1,
                      and an "eagle" block {"format": 1, "feature": "final_norm_hidden", ...}
   model.safetensors  fc.weight, layer.{input_layernorm, self_attn.{q,k,v,o}_proj,
-                     post_attention_layernorm, mlp.{gate,up,down}_proj}.weight, norm.weight
+                     post_attention_layernorm, mlp.{gate,up,down}_proj}.weight, norm.weight, and
+                     optionally draft_vocab (int64, ascending token ids; "draft_vocab_size" in the
+                     "eagle" block): the head drafts only those tokens, through their rows of the
+                     target's LM head (EAGLE-3's reduced vocabulary: on a small target the full LM
+                     head costs several times the head's layer).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
 
 HEAD_FORMAT = 1
 FEATURE = "final_norm_hidden"
+DRAFT_VOCAB = "draft_vocab"
 PLAIN_LAYER = {"qkv_bias": False, "o_bias": False, "mlp_bias": False, "qk_norm": False}
 
 
@@ -54,12 +59,31 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, target.max_position_embeddings)
         # The target's, not ours: kept out of state_dict so that loading and saving see the head only.
-        self._shared = {"embed": target.model.embed_tokens, "lm_head": target.lm_head}
+        # Its LM head is looked up at each call: serving swaps the target's linears for packed ones.
+        self._shared = {"embed": target.model.embed_tokens, "target": target}
+        self.draft_vocab: torch.Tensor | None = None   # token ids the head drafts (None: all)
+        self.draft_lm_head: nn.Linear | None = None    # their rows of the target's LM head
 
     tie_word_embeddings = False   # for the strict loader: the head has no LM head of its own to tie
+    extra_tensors = (DRAFT_VOCAB,)   # read by load_eagle_head, not the weight loader
 
     def tie_weights(self) -> None:
         pass
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft only these tokens. Call it before the target's linears are packed: it copies their
+        rows of the target's LM head into a linear of its own."""
+        ids = token_ids.to(torch.long)
+        if ids.ndim != 1 or len(ids) == 0 or not bool((ids[1:] > ids[:-1]).all()) \
+                or int(ids[0]) < 0 or int(ids[-1]) >= self.vocab_size:
+            raise ValueError(f"an EAGLE head's {DRAFT_VOCAB} must be ascending token ids in [0, {self.vocab_size})")
+        weight = getattr(self._shared["target"].lm_head, "weight", None)
+        if weight is None:
+            raise ValueError("the target's LM head is packed already: load the EAGLE head before packing the target")
+        self.draft_vocab = ids.to(weight.device)
+        self.draft_lm_head = nn.Linear(self.hidden_size, len(ids), bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.draft_lm_head.weight.copy_(weight[self.draft_vocab])
 
     def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
         for module in self.modules():
@@ -77,7 +101,12 @@ class EagleHead(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._shared["lm_head"](hidden).float()
+        """[n, target vocab]; with a draft vocabulary, -inf outside it (q gives those tokens no mass)."""
+        if self.draft_vocab is None:
+            return self._shared["target"].lm_head(hidden).float()
+        small = self.draft_lm_head(hidden).float()
+        logits = small.new_full((len(hidden), self.vocab_size), float("-inf"))
+        return logits.index_copy_(1, self.draft_vocab, small)
 
 
 def is_eagle_head(path) -> bool:
@@ -100,6 +129,15 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: tor
                          f"{target.vocab_size}")
     with torch.device("meta"):
         head = EagleHead(config, target)
-    load_weights(head, open_checkpoint(path), dtype, torch.device(device))
+    checkpoint = open_checkpoint(path)
+    load_weights(head, checkpoint, dtype, torch.device(device))
     head.init_buffers(torch.device(device), dtype)
+    vocab = next((t for name, t in checkpoint.tensors() if name == DRAFT_VOCAB), None)
+    if (vocab is None) != (eagle.get("draft_vocab_size") is None) or (
+            vocab is not None and len(vocab) != eagle["draft_vocab_size"]):
+        raise ValueError(f"the EAGLE head in {path!r}: config.json's draft_vocab_size "
+                         f"({eagle.get('draft_vocab_size')}) does not match its {DRAFT_VOCAB} tensor "
+                         f"({None if vocab is None else len(vocab)} tokens)")
+    if vocab is not None:
+        head.set_draft_vocab(vocab)
     return head.eval()

@@ -177,7 +177,7 @@ def _checkpoint_keys(files: list[Path]) -> dict[str, Path]:
 
 
 def _is_ignorable(key: str, model: CausalLM) -> bool:
-    if key.endswith(_IGNORED_SUFFIXES):
+    if key.endswith(_IGNORED_SUFFIXES) or key in getattr(model, "extra_tensors", ()):
         return True
     # Tied embeddings: the head is embed_tokens; a saved copy of it is redundant.
     return model.tie_word_embeddings and key == "lm_head.weight"
