@@ -34,7 +34,7 @@ def switch_off(engine, variant: str) -> None:
     elif variant == "short memory":   # acceptance from the ~14-token memory alone
         engine.controller.steady_decay = None
     elif variant == "no step bias":   # step times from the parts alone, never scaled by whole steps
-        engine.costs.observe_drafting_step = lambda predicted, measured: None
+        engine.costs.observe_drafting_step = lambda predicted, measured, depth=None: None
     elif variant != "adaptive":
         raise SystemExit(f"unknown variant {variant!r}: adaptive or one of {', '.join(VARIANTS)}")
 

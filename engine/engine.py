@@ -167,7 +167,7 @@ class Engine:
                                 num_drafts > 0, len(batch.scheduled))
         predicted = self.controller.last_predicted_time
         if num_drafts and predicted and self.controller.adaptive and all(item.is_decode for item in batch.scheduled):
-            self.costs.observe_drafting_step(predicted, step_time)
+            self.costs.observe_drafting_step(predicted, step_time, self.controller.last_depth)
 
     def _forget(self, request_id: str) -> None:
         self.proposer.on_finish(request_id)

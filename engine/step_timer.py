@@ -9,6 +9,9 @@ steps it runs.
 from __future__ import annotations
 
 import math
+from collections import Counter
+
+DEPTH_EVIDENCE = 5   # drafting steps of one depth before that depth's own scale is used
 
 
 class PlainStepTimer:
@@ -110,6 +113,8 @@ class StepCostModel:
         self.drafts: dict[str, CostCurve] = {}    # model proposer ("draft", "eagle") -> forward time over rows
         self.catch_up_price: dict[str, float] = {}   # model proposer -> seconds per token fed beyond its rows
         self.drafting_bias = 1.0   # measured / predicted time of drafting steps (see observe_drafting_step)
+        self.depth_bias: dict[int, float] = {}   # the same, per depth (the step's longest draft)
+        self.depth_steps: Counter = Counter()    # drafting steps seen at each depth
 
     @property
     def draft(self) -> CostCurve:
@@ -141,32 +146,47 @@ class StepCostModel:
         price, old = max(0.0, seconds - curve(rows)) / catch_up, self.catch_up_price.get(method)
         self.catch_up_price[method] = price if not old else old + self.smoothing * (price - old)
 
-    def observe_drafting_step(self, predicted: float, measured: float) -> None:
-        """A whole drafting step (drafts and verification), against what step_time predicted for it.
-        The parts are timed one by one, but a step also spends time none of them sees (draft-probability
-        buffers that grow with batch x k x vocabulary, sampling, bookkeeping): drafting steps ran
-        10-20% over their prediction at batch 16. Their predictions are scaled by a moving geometric
-        mean of measured / predicted (a fixed point where the two agree), between 0.8 and 1.5."""
+    def observe_drafting_step(self, predicted: float, measured: float, depth: int | None = None) -> None:
+        """A whole drafting step (drafts and verification) of this depth (its longest draft), against
+        what step_time predicted for it. The parts are timed one by one, but a step also spends time
+        none of them sees (draft-probability buffers that grow with batch x k x vocabulary, sampling,
+        bookkeeping): drafting steps ran 10-20% over their prediction at batch 16, and more the
+        deeper they drafted, so a plan priced by one scale drafted 8 deep where 4 paid. Predictions
+        are scaled by a moving geometric mean of measured / unscaled prediction (between 0.8 and
+        1.5): one per depth once that depth has DEPTH_EVIDENCE steps, before that the overall one."""
         if predicted <= 0 or measured <= 0:
             return
-        ratio = min(max(measured / predicted, 0.5), 2.0)
-        self.drafting_bias = min(max(self.drafting_bias * ratio ** (self.smoothing / 2), 0.8), 1.5)
+        ratio = min(max(measured * self.bias(depth) / predicted, 0.5), 2.0)   # against the unscaled parts
+        self.drafting_bias = self._toward(self.drafting_bias, ratio)
+        if depth:
+            self.depth_bias[depth] = self._toward(self.depth_bias.get(depth, self.drafting_bias), ratio)
+            self.depth_steps[depth] += 1
+
+    def _toward(self, bias: float, ratio: float) -> float:
+        return min(max(bias * (ratio / bias) ** (self.smoothing / 2), 0.8), 1.5)
+
+    def bias(self, depth: int | None = None) -> float:
+        """The scale of a drafting step's predicted time at this depth."""
+        if depth and self.depth_steps[depth] >= DEPTH_EVIDENCE:
+            return self.depth_bias[depth]
+        return self.drafting_bias
 
     # ---- predictions ----------------------------------------------------------------
     def step_time(self, num_tokens: int, draft_rows: dict[str, list[int]] | None = None,
                   verifying: bool | None = None, catch_up: dict[str, int] | None = None,
-                  base_tokens: int | None = None, num_seqs: int | None = None) -> float:
+                  base_tokens: int | None = None, num_seqs: int | None = None, depth: int | None = None) -> float:
         """num_tokens fed to the target (base_tokens of them without drafts) for num_seqs sequences;
         draft_rows: per model proposer, the rows of each of its sequential forwards (the first also
         catches up catch_up[method] tokens); verifying: whether the pass verifies drafts (default:
-        whether a model proposer ran)."""
+        whether a model proposer ran); depth: the longest draft (default: the most forwards)."""
         draft_rows, catch_up = draft_rows or {}, catch_up or {}
         verifying = any(draft_rows.values()) if verifying is None else verifying
         if not verifying and self.plain.ready:
             return self.plain(num_tokens)
         drafting = sum(self.draft_forward(rows, method) for method, forwards in draft_rows.items() for rows in forwards)
         drafting += sum(self.catch_up(catch_up.get(method, 0), method) for method, forwards in draft_rows.items() if forwards)
-        return self.drafting_bias * (self.verify_time(num_tokens, base_tokens, num_seqs) + drafting)
+        depth = depth or max((len(forwards) for forwards in draft_rows.values()), default=0)
+        return self.bias(depth) * (self.verify_time(num_tokens, base_tokens, num_seqs) + drafting)
 
     def verify_time(self, num_tokens: int, base_tokens: int | None = None, num_seqs: int | None = None) -> float:
         """The target pass alone, shaped as a verification (drafts, from any proposer), over

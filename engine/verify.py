@@ -84,7 +84,9 @@ def _accept(scheduled, proposal: Proposal, logits: torch.Tensor, sample_rows: di
     num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=logits.device)
     draft_probs = None
     if proposal.draft_probs is not None and max_k > 0:
-        draft_probs = proposal.draft_probs[torch.tensor(order, device=logits.device), :max_k]
+        draft_probs = proposal.draft_probs
+        if order != list(range(len(draft_probs))) or draft_probs.shape[1] != max_k:
+            draft_probs = draft_probs[torch.tensor(order, device=logits.device), :max_k]
     is_greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
     out, num_accepted = rejection_sample(target_probs, draft_ids.view(len(order), max_k), num_drafts,
                                          draft_probs, is_greedy, [r.generator for r in requests],

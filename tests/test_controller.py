@@ -404,3 +404,24 @@ def test_drafting_steps_that_run_over_their_prediction_draft_less():
         model.observe_drafting_step(predicted, 1.3 * predicted / model.drafting_bias)
     assert model.drafting_bias == pytest.approx(1.3, rel=0.05)
     assert all(k == 0 for _, k in plan_k(controller, 8)) and model.step_time(8) == plain
+
+
+def test_deep_drafting_steps_that_run_over_their_prediction_draft_shallower():
+    """Steps that draft 8 deep measure 40% over the parts' prediction, shallower ones as predicted
+    (work that grows with k, unseen by the parts): the cost model learns a scale per depth and the
+    plan stops short of the depths that do not pay, where one overall scale would keep them."""
+    model = costs(0.0005, draft_forward=0.001)
+    controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.85})
+    plan_k(controller, 4)   # past the new requests' first probes
+    before = max(k for _, k in plan_k(controller, 4))
+    assert before == MAX_K
+    for depth in range(1, MAX_K + 1):
+        for _ in range(40):
+            predicted = model.step_time(4 * (1 + depth), {"draft": [4] * depth}, True, None, 4, 4)
+            unscaled = predicted / model.bias(depth)
+            model.observe_drafting_step(predicted, unscaled * (1.0 if depth <= 4 else 1.0 + 0.1 * (depth - 4)), depth)
+    assert model.bias(2) == pytest.approx(1.0, abs=0.05) and model.bias(8) == pytest.approx(1.4, abs=0.05)
+    after = max(k for _, k in plan_k(controller, 4))
+    assert 4 <= after < MAX_K, after
+    model.depth_steps.clear()   # the overall scale alone moves every depth alike
+    assert max(k for _, k in plan_k(controller, 4)) == MAX_K

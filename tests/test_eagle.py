@@ -322,3 +322,25 @@ def assert_served_logits(paths, head_dir, ids, expected):
     features = engine.target.read_features([(table, 0, 19)])
     served = engine.proposer.proposers["eagle"].runner.forward([ForwardItem(ids[0, 1:].tolist(), 0, table, 19)], features)
     torch.testing.assert_close(served, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_only_rows_verified_by_rejection_sampling_carry_draft_distributions(paths, prompts):
+    """Greedy and seeded rows accept by the target's own choice, so their steps build no
+    [batch x k x vocab] buffer of draft distributions; unseeded sampled rows get theirs."""
+    config = EngineConfig(model=paths["target1"], dtype="float32",
+                          speculative=eagle(paths, 3, head=paths["copy_head"]))
+    engine = Engine(config)
+    buffers = []
+    original = engine.proposer.propose
+
+    def recording(scheduled):
+        proposal = original(scheduled)
+        if any(proposal.draft_token_ids):
+            buffers.append(proposal.draft_probs is not None)
+        return proposal
+    engine.proposer.propose = recording
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    for params, expected in ((GREEDY, False), (dataclasses.replace(sampled, seed=7), False), (sampled, True)):
+        buffers.clear()
+        run(config, prompts[:3], params, engine=engine)
+        assert buffers and set(buffers) == {expected}, params

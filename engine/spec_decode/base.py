@@ -96,6 +96,9 @@ class Router:
         if not model_probs:
             return Proposal(drafts, None)
         max_k = max(len(d) for d in drafts)
+        rows, block = model_probs[0]
+        if len(model_probs) == 1 and rows == list(range(len(scheduled))) and block.shape[1] == max_k:
+            return Proposal(drafts, block)   # one proposer drafted for every row: its block as it is
         probs = model_probs[0][1].new_zeros(len(scheduled), max_k, self.vocab_size)
         for rows, block in model_probs:
             width = min(max_k, block.shape[1])

@@ -170,6 +170,7 @@ class SpecController:
         self.global_counts = {m: DecayedCounts(GLOBAL_DECAY) for m in self.methods}
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
+        self.last_depth = 0   # the longest draft of the last plan (what its predicted time was priced at)
         self._probes_left = 0
         self.explore = explore
         self.hurdle = HURDLE
@@ -259,7 +260,7 @@ class SpecController:
         time = time if ks else plain_time
         if ks and expected / time < (1.0 + self.hurdle) * len(candidates) / plain_time:   # plain is (about) as good
             ks, time = {}, plain_time
-        self.last_predicted_time = time
+        self.last_predicted_time, self.last_depth = time, max(ks.values(), default=0)
         prices = ProbePrices(plain_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
         return {rid: self._finish(rid, caps, lag, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices)
                 for rid, caps, lag in candidates}
@@ -328,7 +329,8 @@ class SpecController:
                 forwards += [0] * (k - len(forwards))
                 for j in range(k):
                     forwards[j] += 1
-        return self.costs.step_time(base_tokens + sum(ks.values()), rows, bool(ks), catch_up, base_tokens, len(lags))
+        return self.costs.step_time(base_tokens + sum(ks.values()), rows, bool(ks), catch_up, base_tokens, len(lags),
+                                    max(ks.values(), default=0))
 
     def _finish(self, rid: str, caps: dict[str, int], lag: dict[str, int], method: str | None, k: int,
                 marginal_gain: float, prices: "ProbePrices") -> Plan:

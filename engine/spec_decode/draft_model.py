@@ -67,7 +67,10 @@ class DraftModelProposer:
         rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
         started = time.perf_counter()
         logits = self._fit_vocab(self._catch_up(items))
-        draft_probs = logits.new_zeros(len(items), max_k, logits.shape[-1])
+        # q matters only to rows verified by rejection sampling: greedy and seeded (coupled) rows
+        # accept by the target's own choice. Without such rows, no [batch x k x vocab] buffer.
+        needs_q = any(not r.params.greedy and r.noise is None for r in requests)
+        draft_probs = logits.new_zeros(len(items), max_k, logits.shape[-1]) if needs_q else None
         confidence = [1.0] * len(items)
         active = list(range(len(items)))
         for step in range(max_k):
@@ -80,7 +83,8 @@ class DraftModelProposer:
             # one-hot) the draft's own softmax.
             sure = torch.where(tensors.is_greedy.unsqueeze(1), logits.float().softmax(dim=-1), probs)
             own = sure.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-            draft_probs[torch.tensor(active, device=probs.device), step] = probs
+            if draft_probs is not None:
+                draft_probs[torch.tensor(active, device=probs.device), step] = probs
             for row, (a, token) in enumerate(zip(active, tokens.tolist())):
                 drafts[a].append(token)
                 confidence[a] *= own[row]
