@@ -49,15 +49,18 @@ def _param_in(message: str, names: set[str]) -> str | None:
 class Server:
     """What the routes share: the engine bridge, the tokenizer and the served name."""
 
-    def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics):
-        self.engine = engine
-        self.async_engine = AsyncEngine(engine, metrics)
+    def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics, on_dead=None):
+        self.async_engine = AsyncEngine(engine, metrics, on_dead)
         self.tokenizer = tokenizer
         self.token_str = TokenStrings(tokenizer)
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.metrics = metrics
         self.created = p.now()
+
+    @property
+    def info(self):
+        return self.async_engine.info   # the engine's model, method, proposers, context length
 
     # ---- checks ---------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -71,13 +74,13 @@ class Server:
 
     def check_speculative_method(self, method: str | None) -> None:
         """A request may pick a proposer only among those the server was configured with."""
-        offered = list(self.engine.proposer.methods)
+        offered = list(self.info.proposers)
         if method in (None, "auto", "none") or method in offered:
             return
         choices = ", ".join(["auto", *offered, "none"])
         proposers = f"proposers: {', '.join(offered)}" if offered else "no proposer"
         raise p.APIError(400, f"speculative.method {method!r} is not available on this server (its speculative "
-                              f"method is {self.engine.method!r}, {proposers}); use one of {choices}",
+                              f"method is {self.info.method!r}, {proposers}); use one of {choices}",
                          param="speculative")
 
     def sampling_params(self, request: p._SamplingRequest, **fields) -> SamplingParams:
@@ -191,8 +194,11 @@ class _SSEResponse(StreamingResponse):
             self.generation.close()
 
 
-def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None) -> FastAPI:
-    server = Server(engine, tokenizer, served_model_name, api_key, metrics)
+def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None,
+               on_dead=None) -> FastAPI:
+    """engine: an Engine (its loop runs on a thread of this process) or a started
+    server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies."""
+    server = Server(engine, tokenizer, served_model_name, api_key, metrics, on_dead)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -246,7 +252,7 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
             tokens = _render(server, body.messages, body.add_generation_prompt)
         else:
             tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.engine.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.info.max_model_len}
 
     @app.post("/detokenize", dependencies=protected)
     async def detokenize(body: p.DetokenizeRequest):
@@ -264,7 +270,7 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
     async def health():
         if not server.async_engine.is_alive:
             return _server_error(EngineDeadError(server.async_engine.dead_reason)).response()
-        return {"status": "ok", "num_requests": len(server.engine.requests), **server.async_engine.kv_blocks()}
+        return server.async_engine.health()
 
     @app.get("/metrics")
     async def metrics():
@@ -276,7 +282,7 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
 
 def _model_card(server: Server) -> dict[str, Any]:
     return {"id": server.served_model_name, "object": "model", "created": server.created, "owned_by": "specserve",
-            "root": server.engine.config.model, "max_model_len": server.engine.max_model_len}
+            "root": server.info.model, "max_model_len": server.info.max_model_len}
 
 
 def _version() -> str:
@@ -379,7 +385,7 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     prompt = _render(server, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:   # as much as the context leaves (at least 1, so a full prompt gets the context error)
-        max_tokens = max(1, server.engine.max_model_len - len(prompt))
+        max_tokens = max(1, server.info.max_model_len - len(prompt))
     elif max_tokens < 1:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise p.APIError(400, f"{param} must be >= 1, got {max_tokens}", param=param)

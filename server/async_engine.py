@@ -1,15 +1,16 @@
-"""The async bridge: the engine's step loop on its own thread, asyncio on the other side.
+"""The async bridge: the engine core (its own process, or a thread) on one side, asyncio on the other.
 
-    engine thread                              event loop thread
-    -------------                              -----------------
-    wait on the condition while idle           add_requests(): register queue, submit "add"
-    drain commands (add / abort)  <----------  abort(): submit "abort"
+    engine core (server.engine_core)           event loop thread
+    --------------------------------           -----------------
+    sleep while idle                           add_requests(): register queue and future, submit "add"
+    apply commands (add / abort)  <----------  abort(): submit "abort"
     step()
-    call_soon_threadsafe(_deliver, outputs) -> per-request asyncio queues
+    messages -> _on_message (core's thread) -> call_soon_threadsafe -> futures, per-request asyncio queues
 
-Commands are applied only between steps, so the engine is never touched by two threads. An
-abort is applied before the next step: the request's KV blocks are free within one step. The
-request -> queue map is read and written on the event loop thread only.
+An abort is applied before the next step: the request's KV blocks are free within one step. The
+request -> queue and request -> future maps are read and written on the event loop thread only.
+Metrics are observed where messages arrive (the engine thread, or the reader thread of a process
+core), never on the event loop.
 
 A Generation is one HTTP request's side of the bridge: its choices (one engine request each), their
 text (incremental detokenizer + stop strings), and an iterator over their deltas that ends a choice
@@ -20,14 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from engine.outputs import RequestOutput, RequestTiming, SpecStats, TokenLogprob
+from engine.outputs import RequestOutput, SpecStats, TokenLogprob
 from engine.sampling_params import SamplingParams
+from server.engine_core import EngineInfo, EngineStatus, ProcessCore, ThreadCore
 from server.tokenizer import TextStream
 
 logger = logging.getLogger("specserve.server")
@@ -38,39 +37,41 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics=None):
-        self.engine = engine
+    """engine: an Engine (run on a thread of this process) or a started ProcessCore. on_dead is
+    called once, on the event loop, if the core dies while serving (the CLI exits non-zero then)."""
+
+    def __init__(self, engine, metrics=None, on_dead: Callable[[str], None] | None = None):
+        self.core = engine if isinstance(engine, ProcessCore) else ThreadCore(engine)
         self.metrics = metrics
-        self._commands: deque[tuple] = deque()
-        self._wakeup = threading.Condition()
-        self._stopping = False
+        self.on_dead = on_dead
         self._queues: dict[str, asyncio.Queue] = {}
+        self._adding: dict[str, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None   # why the loop died, once it has
+        self._started = self._stopping = False
+        self._status: EngineStatus | None = None
+        self.error: str | None = None   # why the loop died, once it has
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.core.info
 
     # ---- lifecycle (event loop thread) ------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
-        self._thread.start()
+        self._started = True
+        self.core.start(self._on_message)
 
     def stop(self, timeout: float = 10.0) -> None:
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._stopping = True
+        self.core.stop(timeout)
 
     @property
     def dead_reason(self) -> str:
-        if self.error is not None:
-            return f"the engine loop died: {type(self.error).__name__}: {self.error}"
-        return "the engine loop is not running"
+        return self.error or "the engine loop is not running"
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stopping
+        return self._started and self.error is None and not self._stopping and self.core.is_running
 
     # ---- requests (event loop thread) -------------------------------------------------
     async def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]], queue: asyncio.Queue) -> None:
@@ -78,13 +79,14 @@ class AsyncEngine:
         go to `queue`. Raises the engine's ValueError / ContextLengthError for bad input, in which
         case none of them stays queued."""
         futures = [self._loop.create_future() for _ in requests]
-        for rid, _, _ in requests:
-            self._queues[rid] = queue
+        for (rid, _, _), future in zip(requests, futures):
+            self._queues[rid], self._adding[rid] = queue, future
         try:
-            self._submit([("add", rid, prompt, params, fut) for (rid, prompt, params), fut in zip(requests, futures)])
+            self._submit([("add", rid, prompt, params) for rid, prompt, params in requests])
         except EngineDeadError:
             for rid, _, _ in requests:
                 self._queues.pop(rid, None)
+                self._adding.pop(rid, None)
             raise
         try:
             results = await asyncio.gather(*futures, return_exceptions=True)
@@ -113,12 +115,52 @@ class AsyncEngine:
             pass
 
     def _submit(self, commands: list[tuple]) -> None:
-        with self._wakeup:
-            if self.error is not None or self._stopping or self._thread is None:
-                raise EngineDeadError("the engine loop is not running")
-            self._commands.extend(commands)
-            self._wakeup.notify()
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason)
+        try:
+            self.core.submit(commands)
+        except ConnectionError as exc:
+            raise EngineDeadError(str(exc)) from None
 
+    # ---- messages from the core (its thread) -------------------------------------------
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, outputs, stats, self._status = message
+            if self.metrics is not None:
+                if stats is not None:
+                    self.metrics.observe_step(stats)
+                for output in outputs:
+                    if output.finished:
+                        self.metrics.observe_request(output)
+            if outputs:
+                self._call(self._deliver, outputs)
+        elif kind == "added":
+            self._call(self._settle, message[1])
+        elif kind == "aborted":
+            _, final, reason = message
+            if self.metrics is not None:
+                self.metrics.observe_request(final)
+            if reason == "stop":
+                self._call(self._deliver, [final])
+        elif kind == "idle":
+            self._status = message[1]
+            if self.metrics is not None and self._status is not None:
+                # No step runs while idle, so refresh the engine-state gauges that steps would have set.
+                self.metrics.num_running.set(0)
+                self.metrics.num_waiting.set(0)
+                self.metrics.kv_cache_usage.set(self._status.kv_cache_usage)
+        elif kind == "dead":
+            self.error = message[1]
+            self._call(self._fail_all, EngineDeadError(self.error))
+
+    def _call(self, callback, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass   # the event loop is closed already (shutdown)
+
+    # ---- delivery (event loop thread) ---------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             queue = self._queues.get(output.request_id)
@@ -128,119 +170,38 @@ class AsyncEngine:
                 del self._queues[output.request_id]
             queue.put_nowait(output)
 
-    def _settle(self, settled: list[tuple[asyncio.Future, BaseException | None]]) -> None:
-        for future, error in settled:
-            if future.done():
+    def _settle(self, added: list[tuple[str, BaseException | None]]) -> None:
+        for request_id, error in added:
+            future = self._adding.pop(request_id, None)
+            if future is None or future.done():
                 continue
             if error is None:
                 future.set_result(None)
             else:
                 future.set_exception(error)
 
-    def _fail_all(self, error: EngineDeadError, pending: list[tuple]) -> None:
-        self._settle([(cmd[4], error) for cmd in pending if cmd[0] == "add"])
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for future in self._adding.values():
+            if not future.done():
+                future.set_exception(error)
+        self._adding.clear()
         queues = {id(q): q for q in self._queues.values()}
         self._queues.clear()
         for queue in queues.values():
             queue.put_nowait(error)
+        if self.on_dead is not None and not self._stopping:
+            self.on_dead(self.error)
 
-    # ---- the engine thread ------------------------------------------------------------
-    def _run(self) -> None:
-        last_stats = None
-        commands: list[tuple] = []   # taken from the queue, not yet applied: failed too if the loop dies
-        try:
-            while True:
-                commands = self._wait_for_work()
-                if commands is None:
-                    commands = []
-                    break
-                self._apply(commands)
-                commands = []
-                if not self.engine.has_unfinished_requests():
-                    self._observe_idle()
-                    continue
-                outputs = self.engine.step()
-                stats = self.engine.last_stats
-                if stats is last_stats and not outputs:
-                    self._pause()   # nothing could be scheduled this time: do not spin
-                if self.metrics is not None:
-                    if stats is not None and stats is not last_stats:
-                        self.metrics.observe_step(stats)
-                    for output in outputs:
-                        if output.finished:
-                            self.metrics.observe_request(output)
-                last_stats = stats
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
-        except BaseException as exc:  # noqa: BLE001 - whatever killed the loop is reported, not re-raised
-            logger.exception("the engine loop died")
-            self.error = exc
-        with self._wakeup:
-            pending, self._stopping = commands + list(self._commands), True
-            self._commands.clear()
-        try:
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(self.dead_reason), pending)
-        except RuntimeError:
-            pass   # the event loop is closed already (shutdown)
-
-    def _wait_for_work(self) -> list[tuple] | None:
-        """Sleep while there is nothing to do; return the queued commands, or None to stop."""
-        with self._wakeup:
-            while not self._commands and not self._stopping and not self.engine.has_unfinished_requests():
-                self._wakeup.wait()
-            if self._stopping:
-                return None
-            commands = list(self._commands)
-            self._commands.clear()
-            return commands
-
-    def _pause(self, seconds: float = 0.005) -> None:
-        with self._wakeup:
-            if not self._commands and not self._stopping:
-                self._wakeup.wait(seconds)
-
-    def _apply(self, commands: list[tuple]) -> None:
-        settled = []
-        for command in commands:
-            if command[0] == "add":
-                _, request_id, prompt, params, future = command
-                try:
-                    self.engine.add_request(request_id, prompt, params)
-                    settled.append((future, None))
-                except Exception as exc:  # noqa: BLE001 - bad input fails its request, never the loop
-                    settled.append((future, exc))
-            else:
-                self._abort(*command[1:])
-        if settled:
-            self._loop.call_soon_threadsafe(self._settle, settled)
-
-    def _abort(self, request_id: str, reason: str) -> None:
-        request = self.engine.requests.get(request_id)
-        self.engine.abort_request(request_id)
-        if request is None:
-            return   # it had finished already: its final output is on its way
-        # The engine sends no final output for an aborted request: this one stands in for it.
-        timing = RequestTiming(request.arrival_time, request.first_scheduled_time, request.first_token_time,
-                               time.monotonic())
-        final = RequestOutput(request_id, [], finished=True, finish_reason=reason,
-                              num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-                              spec=request.spec_stats, timing=timing)
-        if self.metrics is not None:
-            self.metrics.observe_request(final)
-        if reason == "stop":
-            self._loop.call_soon_threadsafe(self._deliver, [final])
-
-    def _observe_idle(self) -> None:
-        """No step runs while idle, so refresh the engine-state gauges that steps would have set."""
-        if self.metrics is not None:
-            self.metrics.num_running.set(0)
-            self.metrics.num_waiting.set(0)
-            self.metrics.kv_cache_usage.set(self.engine.pool.usage)
-
-    # ---- introspection (any thread) ----------------------------------------------------
-    def kv_blocks(self) -> dict[str, Any]:
-        pool = self.engine.pool
-        return {"kv_blocks_free": pool.num_free_blocks, "kv_blocks_total": pool.num_blocks}
+    # ---- introspection (event loop thread) ----------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """/health's body while alive: requests in the engine and its KV blocks (as of the last step)."""
+        status = self._status
+        info = self.info
+        if status is None:
+            status = EngineStatus(0, info.num_blocks, info.num_blocks, 0.0)
+        return {"status": "ok", "num_requests": status.num_requests, "kv_blocks_free": status.kv_blocks_free,
+                "kv_blocks_total": status.kv_blocks_total, "engine": self.core.kind, "engine_pid": info.pid,
+                "engine_threads": info.num_threads}
 
 
 class RequestFailedError(RuntimeError):

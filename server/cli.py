@@ -66,31 +66,58 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"specserve serve: error: {exc}", file=sys.stderr)
         return 2
-    serve(config)
-    return 0
+    return serve(config)
 
 
-def serve(config: ServerConfig) -> None:
+def serve(config: ServerConfig) -> int:
+    """Serve until told to stop (0) or until the engine core dies (1: the orchestrator restarts us)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from engine.engine import Engine
     from server.api import create_app
     from server.metrics import Metrics
     from server.tokenizer import load_tokenizer
 
-    engine = Engine(config.engine)
+    try:
+        engine, info = _start_engine(config)
+    except RuntimeError as exc:   # the engine process could not start: its log says why
+        logger.error("specserve: %s", exc)
+        return 1
     tokenizer = load_tokenizer(config.tokenizer)
-    metrics = Metrics(config.served_model_name, engine.method, proposers=engine.proposer.methods)
-    app = create_app(engine, tokenizer, config.served_model_name, config.api_key, metrics)
+    metrics = Metrics(config.served_model_name, info.method, proposers=list(info.proposers))
+    died: list[str] = []
+
+    def on_dead(reason: str) -> None:
+        logger.error("specserve: %s; shutting down", reason)
+        died.append(reason)
+        http.should_exit = True
+
+    app = create_app(engine, tokenizer, config.served_model_name, config.api_key, metrics, on_dead)
     host = f"[{config.host}]" if ":" in config.host else config.host
     logger.info("specserve: model=%s served as %r, dtype=%s, device=%s, kv_blocks=%d x %d tokens, "
-                "max_model_len=%d, speculative=%s (gamma %d), auth=%s, url=http://%s:%d/v1",
-                config.engine.model, config.served_model_name, str(engine.dtype).replace("torch.", ""),
-                engine.device, engine.pool.num_blocks, engine.pool.block_size, engine.max_model_len, engine.method,
-                engine.gamma, "on" if config.api_key else "off", host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                access_log=config.log_level == "debug")
+                "max_model_len=%d, speculative=%s (gamma %d), engine=%s (%d threads), auth=%s, url=http://%s:%d/v1",
+                config.engine.model, config.served_model_name, info.dtype, info.device, info.num_blocks,
+                info.block_size, info.max_model_len, info.method, info.gamma, config.engine_core, info.num_threads,
+                "on" if config.api_key else "off", host, config.port)
+    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                         access_log=config.log_level == "debug"))
+    http.run()
+    return 1 if died else 0
+
+
+def _start_engine(config: ServerConfig):
+    """(engine, its EngineInfo): a child process (default) that is ready to serve, or an Engine
+    whose loop the app runs on a thread."""
+    from server.engine_core import EngineInfo, ProcessCore, engine_threads
+    if config.engine_core == "process":
+        core = ProcessCore(config.engine, config.engine_threads, config.log_level)
+        return core, core.info
+    import torch
+
+    from engine.engine import Engine
+    torch.set_num_threads(engine_threads(config.engine_threads))
+    engine = Engine(config.engine)
+    return engine, EngineInfo.of(engine)
 
 
 if __name__ == "__main__":

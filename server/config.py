@@ -22,6 +22,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 
 ENV_PREFIX = "SPECSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ENGINE_CORES = ("process", "thread")
 
 
 class ConfigError(ValueError):
@@ -37,12 +38,18 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     log_level: str = "info"
+    engine_core: str = "process"        # where Engine.step() runs: its own process, or a thread of the API's
+    engine_threads: int | None = None   # the engine's compute threads (None: every core this process may use)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.engine_core not in ENGINE_CORES:
+            raise ConfigError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, got {self.engine_core!r}")
+        if self.engine_threads is not None and self.engine_threads < 1:
+            raise ConfigError(f"engine_threads must be at least 1, got {self.engine_threads}")
         if self.api_key == "":
             raise ConfigError("api_key must not be empty (leave it unset to turn authentication off)")
 
@@ -141,11 +148,16 @@ OPTIONS: tuple[Option, ...] = (
            "BOOL"),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
     Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
+    Option("engine_core", _parse_str, "where the engine loop runs: process (its own, the default: it shares no "
+           "GIL with HTTP work) or thread (a thread of the API process)", choices=ENGINE_CORES),
+    Option("engine_threads", _parse_int, "compute threads of the engine (default: every core the process may use)",
+           "N"),
 )
 OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
 # Spelled as in EngineConfig; accepted in YAML files as an alias.
 YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
-SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level")
+SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
+               "engine_threads")
 
 
 def _parse(option: Option, value: Any, source: str) -> Any:

@@ -241,8 +241,8 @@ def test_async_engine_delivers_between_steps_and_sleeps_when_idle():
 
 
 def test_a_dying_engine_loop_fails_the_commands_it_had_taken():
-    """An add taken from the queue in the same batch as the command that kills the loop is failed
-    with EngineDeadError (it used to wait forever)."""
+    """An add queued while the command that kills the loop is applied is failed with
+    EngineDeadError (it used to wait forever)."""
     from engine.sampling_params import SamplingParams
     from server.async_engine import AsyncEngine, EngineDeadError
 
@@ -253,10 +253,9 @@ def test_a_dying_engine_loop_fails_the_commands_it_had_taken():
     async def scenario():
         bridge = AsyncEngine(BrokenAbort())
         bridge.start()
-        added = asyncio.get_running_loop().create_future()
-        bridge._submit([("abort", "x", "abort"), ("add", "c", [1], SamplingParams(), added)])   # one batch
+        bridge.core.submit([("abort", "x", "abort")])   # kills the loop
         with pytest.raises(EngineDeadError, match="abort bug"):
-            await asyncio.wait_for(added, 10)
+            await asyncio.wait_for(bridge.add_requests([("c", [1], SamplingParams())], asyncio.Queue()), 10)
         assert not bridge.is_alive
         bridge.stop()
 

@@ -198,8 +198,8 @@ def test_server_without_speculation_names_what_it_offers():
     from server import protocol as p
     from server.api import Server
 
-    server = Server.__new__(Server)   # only the engine matters to the check
-    server.engine = SimpleNamespace(method="none", proposer=SimpleNamespace(methods=[]))
+    server = Server.__new__(Server)   # only the engine's info matters to the check
+    server.async_engine = SimpleNamespace(info=SimpleNamespace(method="none", proposers=()))
     for method in (None, "auto", "none"):
         server.check_speculative_method(method)
     with pytest.raises(p.APIError) as error:
