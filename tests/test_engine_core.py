@@ -30,9 +30,11 @@ def servers(tiny_pair, tmp_path_factory):
     thread = ServerProcess(["--model", str(target), *FLAGS, "--engine-core", "thread"], log_path=logs / "thread.log")
     process.start()
     thread.start()
-    yield process.wait_ready(), thread.wait_ready()
-    process.stop()
-    thread.stop()
+    try:
+        yield process.wait_ready(), thread.wait_ready()
+    finally:
+        process.stop()
+        thread.stop()
 
 
 def completion(url: str, **body) -> dict:

@@ -1,0 +1,286 @@
+"""Serving benchmark: our server against `transformers serve --continuous-batching` (and llama.cpp's
+server when installed) on the same checkpoint, and against our own offline engine.
+
+Every server gets the same streamed chat requests: the Spec-Bench development questions (first
+turns), greedy, max_tokens 128 (with ignore_eos for ours; transformers serve rejects the field and
+stops at EOS, so tokens/s counts the tokens each server returned, from its usage, and the table
+shows tokens per request). At each concurrency every server runs in turn, the
+order alternating between levels. Printed in one run, per server and concurrency: output tokens/s,
+TTFT and ITL (median and p99), and ratios to the peer and to the offline engine (LLM.generate over
+the same prompts with max_num_seqs = concurrency). ITL is per token: the gap between two streamed
+chunks divided by the tokens the later one carries (a speculative chunk carries several).
+
+    python bench/serve_bench.py [--config configs/default.yaml] [--concurrency 1,4,16,32] [--requests 0]
+        [--variants ours] [--peers transformers,llamacpp] [--spec]
+
+--variants chooses our server configurations, by name: `ours` (plain decoding, the engine core in its
+own process with the default threads), `thread` (the engine loop on a thread of the API process),
+`process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation). --spec adds
+`spec`. llama.cpp runs when `llama-cpp-python[server]` is installed (pip install
+'llama-cpp-python[server]', built from its sdist in ~5 minutes) and --gguf names the same weights
+as a GGUF file (llama.cpp's convert_hf_to_gguf.py writes one); otherwise it is skipped with that note.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
+PLAIN = json.dumps({"method": "none"})
+VARIANTS = {   # name -> extra flags of `specserve serve`
+    "ours": ["--speculative-config", PLAIN],
+    "thread": ["--speculative-config", PLAIN, "--engine-core", "thread"],
+    "process-1": ["--speculative-config", PLAIN, "--engine-threads", "1"],
+    "thread-1": ["--speculative-config", PLAIN, "--engine-core", "thread", "--engine-threads", "1"],
+    "spec": [],
+}
+
+
+@dataclass
+class Result:
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def questions() -> list[str]:
+    with open(QUESTIONS) as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+
+
+# ---- servers -------------------------------------------------------------------------------------
+
+class Launched:
+    def __init__(self, name: str, command: list[str], port: int, model: str, env: dict | None = None,
+                 extra_body: dict | None = None):
+        self.name, self.port, self.model = name, port, model
+        self.extra_body = extra_body or {}   # request fields only this server takes
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix=f"serve_bench_{name}_", suffix=".log", delete=False)
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+    def wait(self, path: str, timeout: float = 600) -> "Launched":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: see {self.log.name}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout} s: see {self.log.name}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def launch_ours(name: str, config: str, port: int) -> Launched:
+    command = [sys.executable, "-m", "server.cli", "serve", "--config", config, "--port", str(port),
+               "--served-model-name", "bench", "--log-level", "warning", *VARIANTS[name]]
+    return Launched(name, command, port, "bench", extra_body={"ignore_eos": True}).wait("/health")
+
+
+def launch_transformers(model_dir: str, port: int, dtype: str) -> Launched:
+    exe = Path(sys.executable).parent / "transformers"
+    command = [str(exe), "serve", "--continuous-batching", "--device", "cpu", "--dtype", dtype, "--port", str(port),
+               "--host", "127.0.0.1", model_dir]
+    return Launched("transformers", command, port, model_dir).wait("/health")
+
+
+def launch_llamacpp(gguf: str | None, port: int) -> Launched | None:
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        print("llama.cpp: skipped (pip install 'llama-cpp-python[server]' to compare with it)")
+        return None
+    if not gguf:
+        print("llama.cpp: skipped (give --gguf: the same weights as a bf16 GGUF file)")
+        return None
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port), "--host",
+               "127.0.0.1", "--n_ctx", "4096", "--n_threads", str(os.cpu_count())]
+    return Launched("llama.cpp", command, port, gguf).wait("/v1/models")
+
+
+# ---- the client ----------------------------------------------------------------------------------
+
+async def one_request(http: httpx.AsyncClient, server: Launched, question: str, max_tokens: int, result: Result):
+    body = {"model": server.model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **server.extra_body}
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    tokens = 0
+    async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if not any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                continue
+            now = time.perf_counter()
+            if last is None:
+                result.ttft.append(now - start)
+            else:
+                result.itl.append(now - last)
+            last, chunks = now, chunks + 1
+    # Spread each gap over the tokens its chunk carried (speculative chunks carry several).
+    if tokens > chunks > 1:
+        gaps = result.itl[-(chunks - 1):]
+        del result.itl[-(chunks - 1):]
+        per = (tokens - 1) / (chunks - 1)
+        result.itl += [g / per for g in gaps for _ in range(round(per))]
+    result.tokens += tokens or chunks
+
+
+async def drive(server: Launched, prompts: list[str], concurrency: int, max_tokens: int) -> Result:
+    result = Result()
+    queue = list(prompts)
+
+    async def worker(http):
+        while queue:
+            await one_request(http, server, queue.pop(0), max_tokens, result)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        result.seconds = time.perf_counter() - start
+    return result
+
+
+def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: int, speculative: bool) -> float:
+    """Our offline engine's output tokens/s on the same chat prompts, max_num_seqs = concurrency."""
+    import dataclasses
+
+    from engine import LLM, SamplingParams
+    from server.config import load_config
+    config = load_config(config_path, environ={}).engine
+    if not speculative:
+        config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, method="none"))
+    llm = LLM(config.model, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                               if f.name not in ("model", "max_num_seqs")}, max_num_seqs=concurrency)
+    tokenizer = llm.tokenizer
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                          add_generation_prompt=True), add_special_tokens=False)
+           for q in prompts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(ids[:1], SamplingParams(max_tokens=8, temperature=0.0))   # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(ids, params)
+    return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+def _ratio(value: float) -> str:
+    return f"{value:14.2f}x" if value == value else f"{'-':>15}"
+
+
+def table(results: dict[int, dict[str, Result]], offline_tps: dict[int, float], peer: str | None) -> list[str]:
+    lines = [f"{'conc':>4} {'server':>12} {'tok/s':>7} {'tok/req':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+             f" {'/ ' + (peer or 'peer'):>15} {'/ offline':>9}"]
+    for c, by_server in results.items():
+        for name, r in by_server.items():
+            vs_peer = r.tok_s / by_server[peer].tok_s if peer in by_server and name != peer else float("nan")
+            vs_off = r.tok_s / offline_tps[c] if c in offline_tps and name != peer else float("nan")
+            lines.append(f"{c:4d} {name:>12} {r.tok_s:7.1f} {r.tokens / max(1, len(r.ttft)):7.1f} {1e3 * statistics.median(r.ttft):7.0f}ms "
+                         f"{1e3 * percentile(r.ttft, 0.99):7.0f}ms {1e3 * statistics.median(r.itl):6.1f}ms "
+                         f"{1e3 * percentile(r.itl, 0.99):6.1f}ms {_ratio(vs_peer)} {_ratio(vs_off)[5:]}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument("--requests", type=int, default=0, help="requests per level (default: max(8, 2 x concurrency))")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--variants", default="ours", help=f"our server configurations: {', '.join(VARIANTS)}")
+    p.add_argument("--spec", action="store_true", help="also our server with the config's own speculation")
+    p.add_argument("--peers", default="transformers,llamacpp")
+    p.add_argument("--gguf", default=None, help="the same weights as a GGUF file, for llama.cpp")
+    p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--port", type=int, default=8790)
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    variants = args.variants.split(",") + (["spec"] if args.spec and "spec" not in args.variants else [])
+    from server.config import load_config
+    model_dir = load_config(args.config, environ={}).engine.model
+    all_questions = questions()
+
+    servers = {}
+    try:
+        for i, name in enumerate(variants):
+            servers[name] = launch_ours(name, args.config, args.port + i)
+        peers = args.peers.split(",") if args.peers else []
+        if "transformers" in peers:   # in the dtype our engine chose (dtype auto: bf16 where the CPU has it)
+            dtype = httpx.get(next(iter(servers.values())).url + "/health").json()["dtype"]
+            servers["transformers"] = launch_transformers(model_dir, args.port + 20, dtype)
+        if "llamacpp" in peers:
+            launched = launch_llamacpp(args.gguf, args.port + 21)
+            if launched:
+                servers["llama.cpp"] = launched
+        for server in servers.values():   # warm-up: one short request each
+            asyncio.run(drive(server, all_questions[:1], 1, 8))
+        results: dict[int, dict[str, Result]] = {}
+        for level_index, c in enumerate(levels):
+            n = args.requests or max(8, 2 * c)
+            prompts = [all_questions[i % len(all_questions)] for i in range(n)]
+            order = list(servers) if level_index % 2 == 0 else list(reversed(servers))
+            results[c] = {name: asyncio.run(drive(servers[name], prompts, c, args.max_tokens)) for name in order}
+            results[c] = {name: results[c][name] for name in servers}
+            print(f"concurrency {c}: " + ", ".join(f"{k} {v.tok_s:.1f} tok/s" for k, v in results[c].items()),
+                  flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    offline_tps = {}
+    if not args.no_offline:
+        for c in levels:
+            n = args.requests or max(8, 2 * c)
+            offline_tps[c] = offline(args.config, [all_questions[i % len(all_questions)] for i in range(n)], c,
+                                     args.max_tokens, speculative=False)
+        print("offline engine (plain): " + ", ".join(f"batch {c} {t:.1f} tok/s" for c, t in offline_tps.items()))
+    peer = "transformers" if "transformers" in servers else ("llama.cpp" if "llama.cpp" in servers else None)
+    print(f"\nstreamed chat completions, {args.max_tokens} tokens, greedy; ratios: tokens/s over {peer or 'no peer'}"
+          " and over the offline engine (plain decoding) at the same concurrency")
+    print("\n".join(table(results, offline_tps, peer)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
