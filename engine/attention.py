@@ -14,10 +14,20 @@ window_size=(window - 1, 0)). The cache keeps every position; only the masks cha
 
 KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim],
 so kv_cache[0] / kv_cache[1] are exactly flash-attn's paged k_cache / v_cache.
+
+Two torch paths (TORCH_ATTENTION, read when the metadata is built):
+  "padded"     the reference: every sequence's pages gathered into one padded [B, H_kv, max_seq_len, D]
+               tensor, one SDPA call with a dense mask (_padded_gather_attention);
+  "sequences"  the CPU default for decode and verification rows (prefill chunks, more than
+               SEQUENCE_MAX_QUERY tokens, keep the padded path): sequences of one query length and close
+               key counts share an SDPA call over their own blocks; a lone one whose blocks are
+               consecutive ids reads a view of the cache, no copy; the query heads sharing a KV head are
+               folded into query rows (_sequence_attention).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,9 +41,99 @@ except Exception:  # ImportError, or a wheel built for another torch/CUDA
 # flash-attn's paged kernels need pages of a multiple of 256 tokens.
 FLASH_BLOCK_SIZE = 256
 
+# "sequences", "padded", or "auto" (sequences on CPU, padded elsewhere: measured on CPU only).
+# Tests set it directly; SPECSERVE_TORCH_ATTENTION sets the default.
+TORCH_ATTENTION = os.environ.get("SPECSERVE_TORCH_ATTENTION", "auto")
+# Longest query the "sequences" path takes: the last token plus up to 32 drafts.
+SEQUENCE_MAX_QUERY = 33
+# Sequences with one query length whose numbers of keys differ by at most this share one SDPA call, the
+# shorter ones padded: on a 2-core AVX512 CPU a call costs about as much as attending to this many keys.
+SHARE_CALL_MAX_PAD = 128
+
 
 def flash_available(device: torch.device) -> bool:
     return flash_attn_varlen_func is not None and torch.device(device).type == "cuda"
+
+
+@dataclass
+class KeyGroup:
+    """Sequences with one query length and similar numbers of keys, attended in one SDPA call."""
+    rows: torch.Tensor              # [n * q_len] int64: their query rows, sequence by sequence
+    num_seqs: int
+    q_len: int
+    num_keys: int                   # keys per sequence: the longest one's (the others padded, masked)
+    first_slot: int                 # with block_ids None: slot of the first key in the flat cache
+    block_ids: torch.Tensor | None  # [n * width] int64: each one's blocks from the first it sees, padded with
+                                    # its last; None: a lone sequence whose blocks are consecutive (a view)
+    visible: np.ndarray | None      # [n, q_len, num_keys] bool, True = attend; None: all visible
+
+
+@dataclass
+class SequencePlan:
+    """The "sequences" torch path of one pass: its sequences, grouped."""
+    groups: list[KeyGroup]
+    rows: torch.Tensor | None       # the groups' rows concatenated; None when that is every row in order
+    device: torch.device
+    # (query heads per KV head, dtype) -> one additive mask per group (None: nothing masked), made by the
+    # first layer that asks: the head grouping and the dtype are the model's, unknown to the runner.
+    _masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, table: np.ndarray, q_lens: np.ndarray, s_lens: np.ndarray, q_start: np.ndarray,
+              block_size: int, device: torch.device, window: int | None) -> "SequencePlan":
+        # The earliest key any query of a sequence sees; with a window, blocks before it are never read.
+        first = np.zeros_like(s_lens) if window is None else np.maximum(0, s_lens - q_lens - window + 1)
+        num_keys = s_lens - first
+        members: list[list[int]] = []
+        for i in np.lexsort((-num_keys, q_lens)).tolist():   # by query length, then most keys first
+            head = members[-1][0] if members else None
+            if head is None or q_lens[i] != q_lens[head] or num_keys[head] - num_keys[i] > SHARE_CALL_MAX_PAD:
+                members.append([])
+            members[-1].append(i)
+        groups = [_key_group(np.asarray(m), table, q_lens, s_lens, first, q_start, block_size, device, window)
+                  for m in members]
+        rows = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for m in members for i in m])
+        in_order = bool(np.all(rows == np.arange(len(rows))))
+        return cls(groups, None if in_order else torch.from_numpy(rows).to(device), torch.device(device))
+
+    def masks(self, group: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """Per group [n, 1, q_len * group, num_keys] additive masks for GQA-folded query rows (row
+        i * group + g is query i; with q_len 1, [n, 1, 1, num_keys] serves all of them)."""
+        key = (group, dtype)
+        if key not in self._masks:
+            self._masks[key] = [None if g.visible is None else _additive_mask(g.visible, group, dtype, self.device)
+                                for g in self.groups]
+        return self._masks[key]
+
+
+def _key_group(seqs: np.ndarray, table: np.ndarray, q_lens: np.ndarray, s_lens: np.ndarray, first: np.ndarray,
+               q_start: np.ndarray, block_size: int, device: torch.device, window: int | None) -> KeyGroup:
+    q_len = int(q_lens[seqs[0]])
+    rows = np.concatenate([np.arange(q_start[i], q_start[i] + q_len) for i in seqs])
+    lo, hi = first[seqs] // block_size, -(-s_lens[seqs] // block_size)   # blocks it reads: [lo, hi)
+    blocks = table[seqs[0], lo[0]:hi[0]]
+    if len(seqs) == 1 and np.all(np.diff(blocks) == 1):   # one sequence on consecutive blocks: a view, no copy
+        key_pos = np.arange(first[seqs[0]], s_lens[seqs[0]])[None]
+        first_slot, block_ids = int(blocks[0]) * block_size + int(first[seqs[0]] - lo[0] * block_size), None
+    else:
+        cols = np.minimum(lo[:, None] + np.arange(int((hi - lo).max())), (hi - 1)[:, None])
+        block_ids = torch.from_numpy(np.take_along_axis(table[seqs], cols, axis=1).reshape(-1)).to(device)
+        key_pos = lo[:, None] * block_size + np.arange(int((s_lens[seqs] - lo * block_size).max()))
+        first_slot = 0
+    # [n, q_len, keys]: query i sits at position s_len - q_len + i and sees keys up to it (within the window).
+    query_pos = (s_lens[seqs] - q_len)[:, None, None] + np.arange(q_len)[None, :, None]
+    visible = key_pos[:, None, :] <= query_pos
+    if window is not None:
+        visible &= key_pos[:, None, :] > query_pos - window
+    return KeyGroup(torch.from_numpy(rows).to(device), len(seqs), q_len, key_pos.shape[1], first_slot, block_ids,
+                    None if visible.all() else visible)
+
+
+def _additive_mask(visible: np.ndarray, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n, q_len, keys] bool -> [n, 1, q_len * group (1 when q_len is 1), keys]: 0 where visible, -inf
+    elsewhere (SDPA's CPU kernel takes float masks as they are; bool ones it converts on every call)."""
+    rows = torch.from_numpy(visible if visible.shape[1] == 1 else np.repeat(visible, group, axis=1)).to(device)
+    return torch.zeros(rows.shape, dtype=dtype, device=device).masked_fill_(~rows, float("-inf"))[:, None]
 
 
 @dataclass
@@ -46,15 +146,17 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     use_flash: bool
-    # Torch path only, built once per pass so layers do no index arithmetic:
+    # Padded torch path only, built once per pass so layers do no index arithmetic:
     block_ids: torch.Tensor | None        # [B * max_blocks] int64 (int32 indexing is ~100x slower on CPU)
     query_pad_index: torch.Tensor | None  # [T] int64 into the padded [B * max_query_len] queries (None: all q_len 1)
     attn_mask: torch.Tensor | None        # [B, 1, max_query_len, max_seq_len] bool, True = attend;
                                           # None: one sequence, whose queries need no mask or a plain causal one
     causal: bool = False                  # with attn_mask None: queries are the whole sequence
-    # Torch path, mixed passes: (token rows [T_g] int64, metadata) for the single-token sequences and for
-    # the rest, attended separately, so one prefill chunk does not pad every decode query to its length.
+    # Torch path, mixed passes: (token rows [T_g] int64, metadata) per group of sequences attended
+    # separately, so one prefill chunk does not pad every decode query to its length (padded path: single-token
+    # sequences and the rest; "sequences" path: decode / verification sequences and prefill chunks).
     groups: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None
+    plan: SequencePlan | None = None      # "sequences" torch path: its groups of sequences
     sliding_window: int | None = None     # keys this metadata's masks (or flash-attn) keep per query; None: all
     # The same pass for sliding-window layers; None when no layer slides or the window cuts nothing.
     windowed: "AttentionMetadata | None" = None
@@ -69,15 +171,16 @@ class AttentionMetadata:
               sliding_window: int | None = None) -> "AttentionMetadata":
         """Host-side construction from plain lists (one entry per sequence). With sliding_window,
         `windowed` holds the variant its layers read, once some sequence reaches past the window."""
-        meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash, None)
+        path = _torch_path(torch.device(device))
+        meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash, None, path)
         if sliding_window is not None and max(seq_lens) > sliding_window:
             meta.windowed = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash,
-                                       sliding_window)
+                                       sliding_window, path)
         return meta
 
     @classmethod
     def _build(cls, query_lens, seq_lens, block_tables, block_size, device, use_flash,
-               window: int | None) -> "AttentionMetadata":
+               window: int | None, path: str) -> "AttentionMetadata":
         num_seqs = len(query_lens)
         q_lens = np.asarray(query_lens, dtype=np.int64)
         s_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -97,16 +200,20 @@ class AttentionMetadata:
         np.cumsum(s_lens, out=s_start[1:])
         max_q = int(q_lens.max())
 
-        block_ids = pad_index = mask = groups = None
+        block_ids = pad_index = mask = groups = plan = None
         causal = False
-        if not use_flash and max_q > 1 and 1 < (q_lens == 1).sum() < num_seqs:
-            groups = []
-            for seqs in (np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)):
-                rows = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in seqs])
-                sub = cls._build(q_lens[seqs].tolist(), s_lens[seqs].tolist(), [block_tables[i] for i in seqs],
-                                 block_size, device, False, window)
-                groups.append((torch.from_numpy(rows).to(device), sub))
-        elif not use_flash:
+        short = q_lens <= SEQUENCE_MAX_QUERY
+        split = lambda parts: cls._groups(parts, q_lens, s_lens, q_start, block_tables, block_size, device,
+                                          window, path)
+        if use_flash:
+            pass
+        elif path == "sequences" and short.all():
+            plan = SequencePlan.build(table, q_lens, s_lens, q_start, block_size, device, window)
+        elif path == "sequences" and short.any():
+            groups = split([np.flatnonzero(short), np.flatnonzero(~short)])
+        elif max_q > 1 and 1 < (q_lens == 1).sum() < num_seqs:
+            groups = split([np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)])
+        else:
             block_ids = torch.from_numpy(table.reshape(-1)).to(device)
             if max_q > 1:
                 pad_index = torch.from_numpy(seq_idx * max_q + (np.arange(len(seq_idx)) - q_start[seq_idx])).to(device)
@@ -132,8 +239,28 @@ class AttentionMetadata:
             attn_mask=mask,
             causal=causal,
             groups=groups,
+            plan=plan,
             sliding_window=window,
         )
+
+    @classmethod
+    def _groups(cls, parts, q_lens, s_lens, q_start, block_tables, block_size, device, window, path):
+        """(token rows, metadata) for each list of sequence indices in parts."""
+        groups = []
+        for seqs in parts:
+            rows = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in seqs])
+            sub = cls._build(q_lens[seqs].tolist(), s_lens[seqs].tolist(), [block_tables[i] for i in seqs],
+                             block_size, device, False, window, path)
+            groups.append((torch.from_numpy(rows).to(device), sub))
+        return groups
+
+
+def _torch_path(device: torch.device) -> str:
+    if TORCH_ATTENTION not in ("auto", "sequences", "padded"):
+        raise ValueError(f"torch attention path must be auto, sequences or padded, got {TORCH_ATTENTION!r}")
+    if TORCH_ATTENTION == "auto":
+        return "sequences" if device.type == "cpu" else "padded"
+    return TORCH_ATTENTION
 
 
 def _causal_paged_mask(q_lens: np.ndarray, s_lens: np.ndarray, max_q: int, max_kv: int,
@@ -190,6 +317,52 @@ def _torch_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         for rows, group in meta.groups:
             out[rows] = _torch_paged_attention(query[rows], kv_cache, group, scale)
         return out
+    if meta.plan is not None:
+        return _sequence_attention(query, kv_cache, meta.plan, scale)
+    return _padded_gather_attention(query, kv_cache, meta, scale)
+
+
+def _sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: SequencePlan,
+                        scale: float) -> torch.Tensor:
+    """query [T, H_q, D] -> [T, H_q, D]: one SDPA call per group of the plan, on a view of the cache for
+    a lone sequence whose blocks are consecutive, else on the group's own blocks gathered (padded only
+    to the group's longest sequence).
+
+    The G = H_q / H_kv query heads that share a KV head become G query rows of that head,
+    [n, H_kv, q_len * G, D]: CPU SDPA with enable_gqa and one query row per head is up to ~5x slower in bf16."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    group = query.shape[1] // num_kv_heads
+    grouped = query.view(-1, num_kv_heads, group, head_dim)   # [T, H_kv, G, D]
+    by_head = [x.view(1, -1, num_kv_heads, head_dim).transpose(1, 2) for x in kv_cache]   # [1, H_kv, slots, D] views
+    outs = [_group_attention(grouped, kv_cache, by_head, g, mask, scale)
+            for g, mask in zip(plan.groups, plan.masks(group, query.dtype))]
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]   # [T, H_kv, G, D], rows in plan order
+    if plan.rows is not None:
+        out = torch.empty_like(grouped).index_copy_(0, plan.rows, out)
+    return out.reshape(query.shape)
+
+
+def _group_attention(grouped: torch.Tensor, kv_cache: torch.Tensor, by_head: list[torch.Tensor], g: KeyGroup,
+                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """grouped queries [T, H_kv, G, D] -> [n * q_len, H_kv, G, D] for the group's rows."""
+    n, q_len, (_, num_kv_heads, group, head_dim) = g.num_seqs, g.q_len, grouped.shape
+    if g.block_ids is None:
+        keys, values = (x.narrow(2, g.first_slot, g.num_keys) for x in by_head)   # [1, H_kv, keys, D]
+    else:
+        keys, values = (x.index_select(0, g.block_ids).view(n, -1, num_kv_heads, head_dim)[:, :g.num_keys]
+                        .transpose(1, 2) for x in kv_cache)   # [n, H_kv, keys, D]
+    rows = grouped.index_select(0, g.rows)   # [n * q_len, H_kv, G, D]
+    if q_len > 1:
+        rows = rows.view(n, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
+    rows = rows.reshape(n, num_kv_heads, q_len * group, head_dim)
+    o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)   # [n, H_kv, q_len * G, D]
+    o = o.view(n, num_kv_heads, q_len, group, head_dim).transpose(1, 2)   # [n, q_len, H_kv, G, D]
+    return o.reshape(n * q_len, num_kv_heads, group, head_dim)
+
+
+def _padded_gather_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The reference torch path: every sequence's pages gathered into one padded tensor, one SDPA call."""
     num_seqs, max_q = meta.num_seqs, meta.max_query_len
     num_heads, head_dim = query.shape[1], query.shape[2]
     # Gather each sequence's pages into a contiguous [B, H_kv, max_seq_len, D] view.

@@ -1,0 +1,172 @@
+"""The torch attention paths: the per-sequence ("sequences") path equals the padded-gather reference,
+and both equal a dense float64 attention, for mixed batches of decode rows, verification rows and
+prefill chunks over consecutive, scattered and partly consecutive block tables, with GQA and windows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import engine.attention as attention
+from engine.attention import AttentionMetadata, paged_attention
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 16
+NUM_BLOCKS = 512
+HEAD_DIM = 32
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def make_tables(seq_lens: list[int], layouts: list[str], rng: np.random.Generator) -> list[list[int]]:
+    """One block table per sequence (room for its tokens plus a spare block, as lookahead leaves):
+    'consecutive' ids, 'scattered' ones, 'partial' (a consecutive run, then scattered: a prompt's blocks,
+    then blocks allocated one by one while other streams allocate too), or 'descending' (a recycled pool)."""
+    free = rng.permutation(NUM_BLOCKS).tolist()
+    next_run = NUM_BLOCKS   # consecutive runs live above the scattered pool
+    tables = []
+    for seq_len, layout in zip(seq_lens, layouts):
+        count = -(-seq_len // BLOCK_SIZE) + 1
+        run = {"consecutive": count, "descending": count, "partial": count // 2, "scattered": 0}[layout]
+        table = list(range(next_run, next_run + run))
+        next_run += run
+        if layout == "descending":
+            table.reverse()
+        table += [free.pop() for _ in range(count - run)]
+        tables.append(table)
+    return tables
+
+
+def dense_attention(query, cache, q_lens, seq_lens, tables, scale, window=None):
+    """float64, one sequence at a time, straight from the block tables: the ground truth."""
+    out, row = [], 0
+    num_heads, num_kv_heads = query.shape[1], cache.shape[3]
+    for q_len, seq_len, table in zip(q_lens, seq_lens, tables):
+        slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)])
+        keys, values = (cache[i].reshape(-1, num_kv_heads, HEAD_DIM)[slots].double() for i in (0, 1))
+        keys, values = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (keys, values))
+        q = query[row:row + q_len].double()
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        key_pos = torch.arange(seq_len)[None, :]
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        row += q_len
+    return torch.cat(out)
+
+
+def run_paths(q_lens, seq_lens, layouts, num_heads=9, num_kv_heads=3, dtype=torch.float32, window=None, seed=0):
+    """Attention output of each torch path and of dense_attention for one pass, written cache included."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    tables = make_tables(seq_lens, layouts, rng)
+    num_blocks = max(max(t) for t in tables) + 1
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=g).to(dtype)
+    tokens = sum(q_lens)
+    query = torch.randn(tokens, num_heads, HEAD_DIM, generator=g).to(dtype)
+    key, value = (torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    scale = HEAD_DIM ** -0.5
+    outs = {}
+    for path in ("padded", "sequences"):
+        attention.TORCH_ATTENTION = path
+        meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window)
+        layer_cache = cache.clone()
+        outs[path] = paged_attention(query, key, value, layer_cache, meta, scale, window).float()
+    outs["dense"] = dense_attention(query, layer_cache, q_lens, seq_lens, tables, scale, window).float()
+    return outs
+
+
+@pytest.fixture(autouse=True)
+def default_path():
+    yield
+    attention.TORCH_ATTENTION = "auto"
+
+
+def assert_paths_agree(outs, dtype=torch.float32):
+    tol = TOL[dtype]
+    err = (outs["sequences"] - outs["padded"]).abs().max().item()
+    assert err < tol, f"sequences vs padded: max abs error {err:.3g}"
+    for path in ("padded", "sequences"):
+        err = (outs[path] - outs["dense"]).abs().max().item()
+        assert err < tol, f"{path} vs dense: max abs error {err:.3g}"
+
+
+MIXED = [  # (q_len, seq_len, layout): every kind of row in one pass
+    (1, 40, "consecutive"), (1, 200, "scattered"), (1, 16, "partial"), (1, 129, "descending"),
+    (5, 77, "consecutive"), (5, 300, "partial"), (2, 2, "scattered"), (17, 144, "scattered"),
+    (33, 400, "consecutive"), (34, 90, "scattered"), (64, 64, "partial"), (20, 260, "scattered"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+def test_mixed_batch(dtype, heads):
+    q_lens, seq_lens, layouts = zip(*MIXED)
+    outs = run_paths(list(q_lens), list(seq_lens), list(layouts), *heads, dtype=dtype, seed=sum(heads))
+    assert_paths_agree(outs, dtype)
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "scattered", "partial", "descending"])
+@pytest.mark.parametrize("q_len", [1, 5, 33])
+def test_each_layout_alone(layout, q_len):
+    """Contexts ending mid-block, on a block edge, within the first block, short and long."""
+    seq_lens = [q_len + 7, 48, 129, 511, 1024]
+    outs = run_paths([q_len] * len(seq_lens), seq_lens, [layout] * len(seq_lens), seed=q_len)
+    assert_paths_agree(outs)
+
+
+@pytest.mark.parametrize("q_len, seq_len", [(1, 1), (1, 300), (7, 7), (5, 700), (40, 40), (40, 500)])
+def test_single_sequence(q_len, seq_len):
+    assert_paths_agree(run_paths([q_len], [seq_len], ["consecutive"], seed=seq_len))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [8, 24, 100])
+def test_sliding_window(dtype, window):
+    """Windows cutting inside a block and on a block edge, shorter and longer than the query."""
+    q_lens, seq_lens, layouts = zip(*MIXED)
+    outs = run_paths(list(q_lens), list(seq_lens), list(layouts), dtype=dtype, window=window, seed=window)
+    assert_paths_agree(outs, dtype)
+
+
+def test_plan_groups_and_views():
+    """Sequences share a call when their query lengths are equal and their key counts close; a lone
+    sequence whose blocks (those it reads: with a window, only the ones inside it) are consecutive ids is
+    read in place; prefill chunks go to the padded path."""
+    tables = [list(range(100, 120)), [9, 2, 3, 8], [30, 31, 32, 33], [20, 21, 22, 23], [40, 41, 42, 43]]
+    q_lens, seq_lens = [1, 1, 33, 5, 34], [300, 40, 60, 50, 64]
+    attention.TORCH_ATTENTION = "sequences"
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=20)
+    (short_rows, short), (long_rows, long) = meta.groups
+    assert long.plan is None and long.block_ids is not None and long_rows.tolist() == list(range(40, 74))
+    groups = short.plan.groups   # by query length, then most keys first
+    assert [(g.q_len, g.num_seqs, g.num_keys) for g in groups] == [(1, 1, 300), (1, 1, 40), (5, 1, 50), (33, 1, 60)]
+    assert [g.first_slot for g in groups if g.block_ids is None] == [100 * BLOCK_SIZE, 20 * BLOCK_SIZE, 30 * BLOCK_SIZE]
+    assert groups[1].block_ids.tolist() == [9, 2, 3] and groups[1].visible is None
+    assert short.plan.rows.tolist() == [0, 1] + list(range(35, 40)) + list(range(2, 35))
+    # Window 20: both decode rows see 20 keys, so they share a call over the blocks inside the window
+    # (sequence 0: positions 280..299 in blocks 117, 118; sequence 1: 20..39 in blocks 2, 3).
+    windowed = meta.windowed.groups[0][1].plan.groups
+    assert windowed[0].num_seqs == 2 and windowed[0].block_ids.tolist() == [117, 118, 2, 3]
+    assert windowed[0].visible.sum(axis=(1, 2)).tolist() == [20, 20]
+    assert [(g.first_slot, g.num_keys) for g in windowed[1:]] == [(21 * BLOCK_SIZE + 10, 24), (30 * BLOCK_SIZE + 8, 52)]
+
+
+def test_close_key_counts_share_a_call():
+    plan = AttentionMetadata.build([1, 1, 1, 5, 5], [200, 100, 40, 90, 80], [[i] * 13 for i in range(5)],
+                                   BLOCK_SIZE, CPU).plan
+    assert [g.rows.tolist() for g in plan.groups] == [[0, 1], [2], list(range(3, 13))]
+    assert plan.groups[0].visible[1].sum() == 100 and plan.groups[0].num_keys == 200
+
+
+def test_path_switch():
+    attention.TORCH_ATTENTION = "auto"
+    assert AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU).plan is not None   # CPU default
+    attention.TORCH_ATTENTION = "padded"
+    meta = AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU)
+    assert meta.plan is None and meta.block_ids is not None
+    attention.TORCH_ATTENTION = "fastest"
+    with pytest.raises(ValueError, match="auto, sequences or padded"):
+        AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU)
