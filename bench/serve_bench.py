@@ -39,12 +39,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
 PLAIN = json.dumps({"method": "none"})
-VARIANTS = {   # name -> extra flags of `specserve serve`
-    "ours": ["--speculative-config", PLAIN],
-    "thread": ["--speculative-config", PLAIN, "--engine-core", "thread"],
-    "process-1": ["--speculative-config", PLAIN, "--engine-threads", "1"],
-    "thread-1": ["--speculative-config", PLAIN, "--engine-core", "thread", "--engine-threads", "1"],
-    "spec": [],
+VARIANTS = {   # name -> (extra flags of `specserve serve`, extra environment)
+    "ours": (["--speculative-config", PLAIN], {}),
+    "thread": (["--speculative-config", PLAIN, "--engine-core", "thread"], {}),
+    "process-1": (["--speculative-config", PLAIN, "--engine-threads", "1"], {}),
+    "thread-1": (["--speculative-config", PLAIN, "--engine-core", "thread", "--engine-threads", "1"], {}),
+    "active": (["--speculative-config", PLAIN], {"OMP_WAIT_POLICY": "ACTIVE"}),
+    "passive": (["--speculative-config", PLAIN], {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "spec": ([], {}),
 }
 
 
@@ -107,8 +109,9 @@ class Launched:
 
 def launch_ours(name: str, config: str, port: int) -> Launched:
     command = [sys.executable, "-m", "server.cli", "serve", "--config", config, "--port", str(port),
-               "--served-model-name", "bench", "--log-level", "warning", *VARIANTS[name]]
-    return Launched(name, command, port, "bench", extra_body={"ignore_eos": True}).wait("/health")
+               "--served-model-name", "bench", "--log-level", "warning", *VARIANTS[name][0]]
+    return Launched(name, command, port, "bench", env=VARIANTS[name][1],
+                    extra_body={"ignore_eos": True}).wait("/health")
 
 
 def launch_transformers(model_dir: str, port: int, dtype: str) -> Launched:

@@ -3,8 +3,10 @@
     create_app(engine, tokenizer, served_model_name, api_key=None, metrics=None) -> FastAPI
 
 Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for invalid values
-(pydantic's validation errors included), 401 for a missing or wrong API key, 404 for an unknown
-model, 500 when the engine fails a request, 503 when the engine loop is dead. Once a stream has
+(pydantic's validation errors included), 401 for a missing or wrong API key (checked before the
+body is read), 404 for an unknown model, 413 for a body over max_body_size, 429 (with Retry-After)
+past max_num_waiting queued requests, 500 when the engine fails a request, 503 when the engine loop
+is dead. Once a stream has
 started, an error is sent as a `data: {"error": ...}` event followed by `data: [DONE]`.
 
 Besides OpenAI's fields, a request may carry `"speculative": {"method", "num_speculative_tokens"}`
@@ -17,21 +19,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from engine.engine import ContextLengthError
 from engine.sampling_params import SamplingParams
 from server import protocol as p
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError
+from server.middleware import GuardMiddleware
 from server.tokenizer import ChatTemplateError, TextStream, TokenStrings, render_chat
 
 logger = logging.getLogger("specserve.server")
+DEFAULT_MAX_BODY = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
+DEFAULT_WATCHDOG_S = 120.0      # no step for this long while requests wait: /health says the engine is stuck
 
 
 def _server_error(exc: Exception) -> p.APIError:
@@ -49,8 +53,11 @@ def _param_in(message: str, names: set[str]) -> str | None:
 class Server:
     """What the routes share: the engine bridge, the tokenizer and the served name."""
 
-    def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics, on_dead=None):
+    def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics, on_dead=None,
+                 max_num_waiting: int | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_S):
         self.async_engine = AsyncEngine(engine, metrics, on_dead)
+        self.max_num_waiting = max_num_waiting
+        self.watchdog_timeout = watchdog_timeout
         self.tokenizer = tokenizer
         self.token_str = TokenStrings(tokenizer)
         self.served_model_name = served_model_name
@@ -72,6 +79,17 @@ class Server:
         if not self.async_engine.is_alive:
             raise _server_error(EngineDeadError(self.async_engine.dead_reason))
 
+    def check_admission(self, num_choices: int) -> None:
+        """Past max_num_waiting queued requests, a 429 with Retry-After: a bounded queue keeps
+        latency bounded and memory flat under a flood, and clients back off."""
+        waiting = self.async_engine.num_waiting
+        if self.max_num_waiting is not None and waiting + num_choices > self.max_num_waiting:
+            if self.metrics is not None:
+                self.metrics.observe_rejected()
+            raise p.APIError(429, f"the server is overloaded: {waiting} requests are waiting (the limit is "
+                                  f"{self.max_num_waiting}); retry later", "rate_limit_error",
+                             code="server_overloaded", headers={"Retry-After": "1"})
+
     def check_speculative_method(self, method: str | None) -> None:
         """A request may pick a proposer only among those the server was configured with."""
         offered = list(self.info.proposers)
@@ -90,6 +108,7 @@ class Server:
             raise p.APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if request.speculative is not None:
             self.check_speculative_method(request.speculative.method)
+        request.check_limits()
         try:
             return SamplingParams(**fields, **request.sampling_kwargs())
         except ValueError as exc:
@@ -98,6 +117,9 @@ class Server:
     # ---- generation -------------------------------------------------------------------
     def choices(self, prompts: list[list[int]], params: SamplingParams, request: p._SamplingRequest,
                 request_id: str, keep_output: bool = True) -> list[Choice]:
+        if len(prompts) * request.n > p.MAX_CHOICES:
+            raise p.APIError(400, f"prompts x n is {len(prompts)} x {request.n}: at most {p.MAX_CHOICES} choices "
+                                  f"per request", param="n" if request.n > 1 else "prompt")
         choices = []
         for i, prompt in enumerate(prompts):
             for j in range(request.n):
@@ -109,6 +131,7 @@ class Server:
 
     async def start(self, choices: list[Choice], prompt_param: str) -> Generation:
         self.check_alive()
+        self.check_admission(len(choices))
         generation = Generation(self.async_engine, choices)
         try:
             await generation.start()
@@ -195,10 +218,15 @@ class _SSEResponse(StreamingResponse):
 
 
 def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None,
-               on_dead=None) -> FastAPI:
+               on_dead=None, max_num_waiting: int | None = None, max_body_size: int = DEFAULT_MAX_BODY,
+               watchdog_timeout: float = DEFAULT_WATCHDOG_S) -> FastAPI:
     """engine: an Engine (its loop runs on a thread of this process) or a started
-    server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies."""
-    server = Server(engine, tokenizer, served_model_name, api_key, metrics, on_dead)
+    server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies.
+    max_num_waiting: queued requests past which new ones get a 429 (None: unbounded);
+    max_body_size: bytes of a request body past which it is a 413, unread; watchdog_timeout: seconds
+    without a finished step, while requests wait, after which /health answers 503."""
+    server = Server(engine, tokenizer, served_model_name, api_key, metrics, on_dead, max_num_waiting,
+                    watchdog_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -209,41 +237,33 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.server = server
     p.install_error_handlers(app)
-
-    async def authorize(request: Request) -> None:
-        if server.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
-            raise p.APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           "authentication_error", code="invalid_api_key")
-
-    _add_routes(app, server, [Depends(authorize)])
+    # Authentication runs before the body is read, the size limit before it is parsed.
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_size=max_body_size)
+    _add_routes(app, server)
     return app
 
 
 # ---- routes -----------------------------------------------------------------------------------
 
-def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
-    @app.post("/v1/completions", dependencies=protected)
+def _add_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
         return await _completions(server, body, request)
 
-    @app.post("/v1/chat/completions", dependencies=protected)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         return await _chat_completions(server, body, request)
 
-    @app.get("/v1/models", dependencies=protected)
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(server)]}
 
-    @app.get("/v1/models/{model:path}", dependencies=protected)
+    @app.get("/v1/models/{model:path}")
     async def model(model: str):
         server.check_model(model)
         return _model_card(server)
 
-    @app.post("/tokenize", dependencies=protected)
+    @app.post("/tokenize")
     async def tokenize(body: p.TokenizeRequest):
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -254,7 +274,7 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
             tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.info.max_model_len}
 
-    @app.post("/detokenize", dependencies=protected)
+    @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest):
         server.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < len(server.tokenizer)]
@@ -262,7 +282,7 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
             raise p.APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return {"prompt": server.tokenizer.decode(body.tokens)}
 
-    @app.get("/version", dependencies=protected)
+    @app.get("/version")
     async def version():
         return {"version": _version()}
 
@@ -270,6 +290,11 @@ def _add_routes(app: FastAPI, server: Server, protected: list) -> None:
     async def health():
         if not server.async_engine.is_alive:
             return _server_error(EngineDeadError(server.async_engine.dead_reason)).response()
+        stalled = server.async_engine.stalled_for()
+        if stalled > server.watchdog_timeout:
+            return p.APIError(503, f"the engine is stuck: no step has finished for {stalled:.0f} s while requests "
+                                   f"wait (watchdog_timeout {server.watchdog_timeout:g} s)", "server_error",
+                              code="engine_stalled").response()
         return server.async_engine.health()
 
     @app.get("/metrics")
@@ -380,6 +405,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
 
 async def _chat_completions(server: Server, body: p.ChatCompletionRequest, request: Request):
     server.check_model(body.model)
+    body.check_unsupported()
     if body.top_logprobs is not None and not body.logprobs:
         raise p.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     prompt = _render(server, body.messages, body.add_generation_prompt)

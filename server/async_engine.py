@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -49,6 +50,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = self._stopping = False
         self._status: EngineStatus | None = None
+        self._last_progress = time.monotonic()   # when the core last reported a step (or being idle)
         self.error: str | None = None   # why the loop died, once it has
 
     @property
@@ -125,6 +127,8 @@ class AsyncEngine:
     # ---- messages from the core (its thread) -------------------------------------------
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
+        if kind in ("step", "idle", "added"):
+            self._last_progress = time.monotonic()
         if kind == "step":
             _, outputs, stats, self._status = message
             if self.metrics is not None:
@@ -193,12 +197,26 @@ class AsyncEngine:
             self.on_dead(self.error)
 
     # ---- introspection (event loop thread) ----------------------------------------------
+    def stalled_for(self) -> float:
+        """Seconds since the core last reported progress while requests are in flight (0: idle, or
+        progressing). A core that is alive but stuck (a hung kernel, a deadlock) shows here."""
+        if not self._queues and not self._adding:
+            return 0.0
+        return time.monotonic() - self._last_progress
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running: those in flight here, less the engine's running
+        ones as of its last step (a request submitted since is waiting anyway)."""
+        running = self._status.num_running if self._status is not None else 0
+        return max(0, len(self._queues) - running)
+
     def health(self) -> dict[str, Any]:
         """/health's body while alive: requests in the engine and its KV blocks (as of the last step)."""
         status = self._status
         info = self.info
         if status is None:
-            status = EngineStatus(0, info.num_blocks, info.num_blocks, 0.0)
+            status = EngineStatus(0, 0, info.num_blocks, info.num_blocks, 0.0)
         return {"status": "ok", "num_requests": status.num_requests, "kv_blocks_free": status.kv_blocks_free,
                 "kv_blocks_total": status.kv_blocks_total, "engine": self.core.kind, "engine_pid": info.pid,
                 "engine_threads": info.num_threads, "dtype": info.dtype, "device": info.device}

@@ -40,6 +40,9 @@ class ServerConfig:
     log_level: str = "info"
     engine_core: str = "process"        # where Engine.step() runs: its own process, or a thread of the API's
     engine_threads: int | None = None   # the engine's compute threads (None: every core this process may use)
+    max_num_waiting: int | None = 512   # queued requests past which new ones get a 429
+    max_body_size: int = 16 * 2**20     # bytes of a request body past which it is a 413
+    watchdog_timeout: float = 120.0     # seconds without a finished step while requests wait: /health is 503
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -50,6 +53,12 @@ class ServerConfig:
             raise ConfigError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, got {self.engine_core!r}")
         if self.engine_threads is not None and self.engine_threads < 1:
             raise ConfigError(f"engine_threads must be at least 1, got {self.engine_threads}")
+        if self.max_num_waiting is not None and self.max_num_waiting < 0:
+            raise ConfigError(f"max_num_waiting must be >= 0, got {self.max_num_waiting}")
+        if self.watchdog_timeout <= 0:
+            raise ConfigError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
+        if self.max_body_size < 1024:
+            raise ConfigError(f"max_body_size must be at least 1KiB, got {self.max_body_size}")
         if self.api_key == "":
             raise ConfigError("api_key must not be empty (leave it unset to turn authentication off)")
 
@@ -71,6 +80,12 @@ def _parse_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"expected an integer, got {value!r}")
     return int(value)
+
+
+def _parse_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
 
 
 def _parse_str(value: Any) -> str:
@@ -152,12 +167,18 @@ OPTIONS: tuple[Option, ...] = (
            "GIL with HTTP work) or thread (a thread of the API process)", choices=ENGINE_CORES),
     Option("engine_threads", _parse_int, "compute threads of the engine (default: every core the process may use)",
            "N"),
+    Option("max_num_waiting", _parse_int, "queued requests (submitted, not yet running) past which new ones "
+           "are answered 429 with Retry-After (default 512)", "N"),
+    Option("watchdog_timeout", _parse_float, "seconds without a finished engine step, while requests wait, "
+           "after which /health answers 503 (default 120)", "SECONDS"),
+    Option("max_body_size", parse_size, "largest request body, e.g. 16MiB; larger ones are a 413 before "
+           "they are read (default 16MiB)", "SIZE"),
 )
 OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
 # Spelled as in EngineConfig; accepted in YAML files as an alias.
 YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
-               "engine_threads")
+               "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout")
 
 
 def _parse(option: Option, value: Any, source: str) -> Any:

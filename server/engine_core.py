@@ -69,6 +69,7 @@ class EngineInfo:
 class EngineStatus:
     """The engine's state after a step (for /health and the gauges that steps set)."""
     num_requests: int
+    num_running: int
     kv_blocks_free: int
     kv_blocks_total: int
     kv_cache_usage: float
@@ -108,7 +109,8 @@ class EngineCore:
         pool = getattr(self.engine, "pool", None)   # test doubles of the engine may have none
         if pool is None:
             return None
-        return EngineStatus(len(self.engine.requests), pool.num_free_blocks, pool.num_blocks, pool.usage)
+        return EngineStatus(len(self.engine.requests), len(self.engine.scheduler.running), pool.num_free_blocks,
+                            pool.num_blocks, pool.usage)
 
     def _apply(self, commands: list[tuple]) -> None:
         added = []

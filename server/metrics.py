@@ -260,6 +260,8 @@ class Metrics:
         self.discarded_tokens = counter(
             "discarded_tokens", "Generated tokens no response returned: those after a stop string (generated in "
             "the same step, or before the abort landed) and the token of a scoring request (max_tokens 0).")
+        self.rejected_requests = counter(
+            "num_requests_rejected", "Requests answered 429 because max_num_waiting requests were queued already.")
         success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=self.registry)
         self._success_family = success
@@ -368,6 +370,9 @@ class Metrics:
         if num_deltas_times:
             for earlier, later in zip(num_deltas_times, num_deltas_times[1:]):
                 self.itl.observe(max(later - earlier, 0.0))
+
+    def observe_rejected(self) -> None:
+        self.rejected_requests.inc()
 
     def observe_discarded(self, num_tokens: int) -> None:
         self.discarded_tokens.inc(num_tokens)

@@ -29,6 +29,9 @@ from engine.outputs import SpecStats, TokenLogprob
 logger = logging.getLogger("specserve.server")
 
 MAX_N = 128
+MAX_CHOICES = 256        # prompts x n of one request: each is an engine request
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 512    # characters per stop string: each is matched against every delta
 LOGPROB_FLOOR = -9999.0   # JSON has no -inf: a token the warped distribution excludes gets this
 
 
@@ -86,6 +89,16 @@ class _SamplingRequest(_Request):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def check_limits(self) -> None:
+        """Bounds on what one request may ask of the server (pydantic checks the types)."""
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+        long = next((s for s in stops if len(s) > MAX_STOP_LENGTH), None)
+        if long is not None:
+            raise APIError(400, f"stop: a stop string may have at most {MAX_STOP_LENGTH} characters, got one of "
+                                f"{len(long)}", param="stop")
+
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
@@ -125,6 +138,25 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Not implemented yet: declared so that asking for them is a 400, never silently ignored.
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    def check_unsupported(self) -> None:
+        if self.tools or self.functions:
+            param = "tools" if self.tools else "functions"
+            raise APIError(400, f"{param}: tool calling is not supported by this server", param=param)
+        for param in ("tool_choice", "function_call"):
+            value = getattr(self, param)
+            if value is not None and value != "none":
+                raise APIError(400, f"{param}: only \"none\" is supported, got {_shown(value)}", param=param)
+        kind = self.response_format.get("type") if isinstance(self.response_format, dict) else self.response_format
+        if self.response_format is not None and kind != "text":
+            raise APIError(400, f"response_format: only {{\"type\": \"text\"}} is supported, got "
+                                f"{_shown(self.response_format)}", param="response_format")
 
 
 class TokenizeRequest(_Request):
@@ -261,12 +293,14 @@ def validation_message(errors: list[dict[str, Any]]) -> str:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -288,7 +322,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        # exc.headers carries what the status needs: Allow for a 405
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception):
