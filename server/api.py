@@ -6,8 +6,8 @@ Every error leaves as {"error": {"message", "type", "param", "code"}}: 400 for i
 (pydantic's validation errors included), 401 for a missing or wrong API key (checked before the
 body is read), 404 for an unknown model, 413 for a body over max_body_size, 429 (with Retry-After)
 past max_num_waiting queued requests, 500 when the engine fails a request, 503 when the engine loop
-is dead. Once a stream has
-started, an error is sent as a `data: {"error": ...}` event followed by `data: [DONE]`.
+is dead; 503 also from /health when the engine is stuck. Once a stream has started, an error is
+sent as a `data: {"error": ...}` event followed by `data: [DONE]` (server.serving).
 
 Besides OpenAI's fields, a request may carry `"speculative": {"method", "num_speculative_tokens"}`
 (protocol.SpeculativeOptions), which becomes SamplingParams.speculative_method /
@@ -16,205 +16,21 @@ Responses (and streamed usage chunks) carry `"speculative"` beside `usage` (prot
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import logging
-import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 
-from engine.engine import ContextLengthError
-from engine.sampling_params import SamplingParams
 from server import protocol as p
-from server.async_engine import AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError
+from server.async_engine import Choice, EngineDeadError
 from server.middleware import GuardMiddleware
-from server.tokenizer import ChatTemplateError, TextStream, TokenStrings, render_chat
+from server.serving import DEFAULT_WATCHDOG_S, Server, server_error
+from server.tokenizer import ChatTemplateError, render_chat
 
 logger = logging.getLogger("specserve.server")
 DEFAULT_MAX_BODY = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
-DEFAULT_WATCHDOG_S = 120.0      # no step for this long while requests wait: /health says the engine is stuck
-
-
-def _server_error(exc: Exception) -> p.APIError:
-    if isinstance(exc, EngineDeadError):
-        return p.APIError(503, str(exc), "server_error", code="engine_dead")
-    return p.APIError(500, f"the engine failed this request: {exc}", "server_error", code="engine_error")
-
-
-def _param_in(message: str, names: set[str]) -> str | None:
-    """The request field a ValueError's message starts with ("speculative.method ..." -> speculative)."""
-    first = message.split(" ", 1)[0].split(".", 1)[0]
-    return first if first in names else None
-
-
-class Server:
-    """What the routes share: the engine bridge, the tokenizer and the served name."""
-
-    def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics, on_dead=None,
-                 max_num_waiting: int | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_S):
-        self.async_engine = AsyncEngine(engine, metrics, on_dead)
-        self.max_num_waiting = max_num_waiting
-        self.watchdog_timeout = watchdog_timeout
-        self.tokenizer = tokenizer
-        self.token_str = TokenStrings(tokenizer)
-        self.served_model_name = served_model_name
-        self.api_key = api_key
-        self.metrics = metrics
-        self.created = p.now()
-
-    @property
-    def info(self):
-        return self.async_engine.info   # the engine's model, method, proposers, context length
-
-    # ---- checks ---------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise p.APIError(404, f"The model `{model}` does not exist (this server serves "
-                                f"`{self.served_model_name}`).", param="model", code="model_not_found")
-
-    def check_alive(self) -> None:
-        if not self.async_engine.is_alive:
-            raise _server_error(EngineDeadError(self.async_engine.dead_reason))
-
-    def check_admission(self, num_choices: int) -> None:
-        """Past max_num_waiting queued requests, a 429 with Retry-After: a bounded queue keeps
-        latency bounded and memory flat under a flood, and clients back off."""
-        waiting = self.async_engine.num_waiting
-        if self.max_num_waiting is not None and waiting + num_choices > self.max_num_waiting:
-            if self.metrics is not None:
-                self.metrics.observe_rejected()
-            raise p.APIError(429, f"the server is overloaded: {waiting} requests are waiting (the limit is "
-                                  f"{self.max_num_waiting}); retry later", "rate_limit_error",
-                             code="server_overloaded", headers={"Retry-After": "1"})
-
-    def check_speculative_method(self, method: str | None) -> None:
-        """A request may pick a proposer only among those the server was configured with."""
-        offered = list(self.info.proposers)
-        if method in (None, "auto", "none") or method in offered:
-            return
-        choices = ", ".join(["auto", *offered, "none"])
-        proposers = f"proposers: {', '.join(offered)}" if offered else "no proposer"
-        raise p.APIError(400, f"speculative.method {method!r} is not available on this server (its speculative "
-                              f"method is {self.info.method!r}, {proposers}); use one of {choices}",
-                         param="speculative")
-
-    def sampling_params(self, request: p._SamplingRequest, **fields) -> SamplingParams:
-        if request.logit_bias:
-            raise p.APIError(400, "logit_bias is not supported", param="logit_bias")
-        if request.stream_options is not None and not request.stream:
-            raise p.APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if request.speculative is not None:
-            self.check_speculative_method(request.speculative.method)
-        request.check_limits()
-        try:
-            return SamplingParams(**fields, **request.sampling_kwargs())
-        except ValueError as exc:
-            raise p.APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
-
-    # ---- generation -------------------------------------------------------------------
-    def choices(self, prompts: list[list[int]], params: SamplingParams, request: p._SamplingRequest,
-                request_id: str, keep_output: bool = True) -> list[Choice]:
-        if len(prompts) * request.n > p.MAX_CHOICES:
-            raise p.APIError(400, f"prompts x n is {len(prompts)} x {request.n}: at most {p.MAX_CHOICES} choices "
-                                  f"per request", param="n" if request.n > 1 else "prompt")
-        choices = []
-        for i, prompt in enumerate(prompts):
-            for j in range(request.n):
-                index = i * request.n + j
-                seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
-                stream = TextStream(self.tokenizer, prompt, request.stop_strings, request.skip_special_tokens)
-                choices.append(Choice(index, f"{request_id}-{index}", prompt, seeded, stream, keep_output))
-        return choices
-
-    async def start(self, choices: list[Choice], prompt_param: str) -> Generation:
-        self.check_alive()
-        self.check_admission(len(choices))
-        generation = Generation(self.async_engine, choices)
-        try:
-            await generation.start()
-        except ContextLengthError as exc:
-            raise p.APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
-        except ValueError as exc:
-            raise p.APIError(400, str(exc), param=prompt_param) from None
-        except EngineDeadError as exc:
-            raise _server_error(exc) from None
-        return generation
-
-    async def run(self, generation: Generation, request: Request) -> None:
-        """Run a non-streaming generation to its end, aborting it if the client goes away."""
-        collect = asyncio.ensure_future(generation.run_to_end())
-        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnected.cancel()
-            collect.cancel()
-            generation.close()
-        if not collect.done() or collect.cancelled():
-            raise p.APIError(499, "client disconnected")
-        try:
-            collect.result()
-        except (RequestFailedError, EngineDeadError) as exc:
-            raise _server_error(exc) from None
-
-    @staticmethod
-    def totals(generation: Generation, num_prompt_tokens: int) -> dict[str, Any]:
-        """The usage object, and specserve's speculation counters beside it (summed over choices)."""
-        return {"usage": p.usage(num_prompt_tokens, generation.num_completion_tokens),
-                "speculative": p.speculative([c.spec for c in generation.choices], generation.num_discarded_tokens)}
-
-    def stream(self, generation: Generation, first_chunks: list[dict],
-               chunk: Callable[[Choice, str, int], dict | None], last_chunk: Callable[[], dict] | None
-               ) -> StreamingResponse:
-        """The SSE response of a generation: first_chunks, chunk(choice, new text, first new token)
-        per delta (None: nothing to send yet), then last_chunk() and [DONE]."""
-        return _SSEResponse(self._events(generation, first_chunks, chunk, last_chunk), generation)
-
-    async def _events(self, generation, first_chunks, chunk, last_chunk) -> AsyncIterator[str]:
-        last_sent: dict[int, float] = {}
-        try:
-            for first in first_chunks:
-                yield p.sse(first)
-            async for choice, text, start in generation.deltas():
-                payload = chunk(choice, text, start)
-                if payload is None:
-                    continue
-                now = time.monotonic()
-                if self.metrics is not None and choice.index in last_sent:
-                    self.metrics.observe_token_gap(now - last_sent[choice.index])
-                last_sent[choice.index] = now
-                yield p.sse(payload)
-            if last_chunk is not None:
-                yield p.sse(last_chunk())
-        except (RequestFailedError, EngineDeadError) as exc:
-            error = _server_error(exc)
-            yield p.sse(p.error_body(error.message, error.type, code=error.code))
-        yield p.sse("[DONE]")
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the disconnect (or the response's end).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _SSEResponse(StreamingResponse):
-    """Server-sent events whose generation is closed however the response ends: finished, failed,
-    or cut short by a client disconnect (Starlette then cancels the stream without closing it)."""
-
-    def __init__(self, events: AsyncIterator[str], generation: Generation):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.generation = generation
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.generation.close()
 
 
 def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None,
@@ -240,6 +56,7 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
     # Authentication runs before the body is read, the size limit before it is parsed.
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_size=max_body_size)
     _add_routes(app, server)
+    p.document_errors(app)
     return app
 
 
@@ -289,7 +106,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health():
         if not server.async_engine.is_alive:
-            return _server_error(EngineDeadError(server.async_engine.dead_reason)).response()
+            return server_error(EngineDeadError(server.async_engine.dead_reason)).response()
         stalled = server.async_engine.stalled_for()
         if stalled > server.watchdog_timeout:
             return p.APIError(503, f"the engine is stuck: no step has finished for {stalled:.0f} s while requests "
@@ -297,7 +114,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
                               code="engine_stalled").response()
         return server.async_engine.health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)   # Prometheus text format
     async def metrics():
         if server.metrics is None:
             raise p.APIError(404, "metrics are not enabled")

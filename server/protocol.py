@@ -259,6 +259,48 @@ def chat_logprobs(entries: list[TokenLogprob], token_str) -> dict[str, list]:
 
 # ---- errors ---------------------------------------------------------------------------------
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error this server sends (OpenAI's shape)."""
+    error: ErrorDetail
+
+
+ERROR_STATUSES = {400: "invalid request (the message names the field)", 401: "missing or invalid API key",
+                  404: "unknown model", 413: "request body too large", 429: "too many queued requests (Retry-After)",
+                  500: "the engine failed this request", 503: "the engine is dead, stuck or shutting down"}
+
+
+def document_errors(app: FastAPI) -> None:
+    """OpenAPI lists the errors the server really sends, with their schema, and not FastAPI's 422
+    (invalid requests are 400s here)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(components["ErrorResponse"].pop("$defs", {}))
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.setdefault("responses", {})
+                    responses.pop("422", None)
+                    for status, description in ERROR_STATUSES.items():
+                        responses.setdefault(str(status), {"description": description, "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
 def _is_union_branch(part: Any) -> bool:
     """pydantic names the branch of a union it tried in the error's loc: "str", "list[int]", ..."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")))

@@ -153,3 +153,33 @@ def test_the_watchdog_marks_a_stuck_engine_unhealthy(tiny_pair, monkeypatch):
             release.set()
             assert [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
         assert http.get(server.url + "/health").status_code == 200
+
+
+def test_openapi_documents_the_errors_really_sent(guarded):
+    _, url = guarded
+    schema = httpx.get(url + "/openapi.json", headers=auth()).json()
+    assert "ErrorResponse" in schema["components"]["schemas"]
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            codes = set(operation["responses"])
+            assert "422" not in codes, path
+            assert {"400", "401", "404", "413", "429", "500", "503"} <= codes, (path, codes)
+
+
+def test_schemathesis_finds_no_server_errors(tiny_pair, tmp_path):
+    """Requests generated from /openapi.json (schemathesis, a few examples per operation): every
+    answer is below 500 and follows the documented schema of its status."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    exe = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("schemathesis is not installed (pip install -e '.[test]')")
+    _, server = build(tiny_pair)
+    with server:
+        result = subprocess.run([exe, "run", server.url + "/openapi.json", "--checks",
+                                 "not_a_server_error,status_code_conformance,content_type_conformance",
+                                 "--max-examples", "8", "--request-timeout", "30", "--phases", "examples,fuzzing", "--seed", "1"],
+                                capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -196,7 +196,7 @@ def test_server_without_speculation_names_what_it_offers():
     from types import SimpleNamespace
 
     from server import protocol as p
-    from server.api import Server
+    from server.serving import Server
 
     server = Server.__new__(Server)   # only the engine's info matters to the check
     server.async_engine = SimpleNamespace(info=SimpleNamespace(method="none", proposers=()))
