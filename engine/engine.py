@@ -94,6 +94,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None and not request.is_finished:
             request.finish_reason = "abort"
+            self._publish_blocks(request)   # a chat ended by a stop string comes back as the next turn's prefix
             self.scheduler.remove(request)
             self._forget(request_id)
 
@@ -166,7 +167,12 @@ class Engine:
         self.costs.observe_pass(sum(s.num_new_tokens for s in batch.scheduled) + num_drafts, verify_time,
                                 num_drafts > 0, len(batch.scheduled))
         predicted = self.controller.last_predicted_time
-        if num_drafts and predicted and self.controller.adaptive and all(item.is_decode for item in batch.scheduled):
+        # Only steps the plan priced as drafting steps: a step whose only drafts are probes was
+        # predicted as a plain step, and taking it for a drafting one inflated the scale of every
+        # drafting step (to 1.4 at alpha 0.7, batch 4), which planned fewer drafts and left more
+        # steps to probes alone.
+        planned = self.controller.adaptive and self.controller.last_depth > 0
+        if num_drafts and predicted and planned and all(item.is_decode for item in batch.scheduled):
             self.costs.observe_drafting_step(predicted, step_time, self.controller.last_depth)
 
     def _forget(self, request_id: str) -> None:
@@ -205,6 +211,7 @@ class Engine:
             # Rollback past the first rejection: the proposers' cursors and the tail blocks.
             self.proposer.on_verified(request)
             if request.is_finished:
+                self._publish_blocks(request)   # the next turn of a conversation starts with these
                 self.scheduler.remove(request)
                 self.requests.pop(request.request_id, None)
                 self._forget(request.request_id)
@@ -243,9 +250,10 @@ class Engine:
                 request.prompt_logprobs[start + j + 1] = entry
 
     def _publish_blocks(self, request: Request) -> None:
-        # Target KV only: a request that reuses a cached prefix starts its draft's cache empty.
+        # Target KV only: a request that reuses a cached prefix starts its draft's cache empty. A stop
+        # inside an accepted run leaves computed positions past the last kept token: those are not final.
         self.pool.cache_full_blocks(request.block_table, request.block_hashes, request.token_ids,
-                                    request.num_computed_tokens)
+                                    min(request.num_computed_tokens, request.num_tokens))
 
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         prompt_logprobs = None

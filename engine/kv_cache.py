@@ -3,10 +3,17 @@
 Each request owns a block table (a list of block ids); the model runner turns
 it into slot mappings. A block may be shared by several requests (prefix
 reuse), so blocks carry reference counts. A full block whose tokens are final
-gets a chained hash (hash of its parent block's hash and its own tokens); when
+gets a chained hash (sha256 of its parent block's hash and its own tokens); when
 its last reference goes, it stays in the free list with its hash until it is
 reused for something else, so a later request with the same prefix can pick
-it up without recomputing it.
+it up without recomputing it. A hit is also checked against the block's own
+parent hash and tokens, so even a hash collision can never hand one request
+another's KV (the class of vLLM's CVE-2025-25183, where Python's hash() over
+tuples could be made to collide).
+
+Reuse order of free blocks: blocks that hold nothing reusable (never published,
+trimmed draft slots) are taken first, cached blocks last and least recently
+freed first, so speculation's churn never evicts a cached prefix.
 
 Verbs: match_prefix / take (prefix reuse), allocate (room for the tokens about
 to be computed plus lookahead slots for draft tokens), trim (rollback), free,
@@ -15,13 +22,17 @@ by check_invariants: every block is either free (ref 0) or used, never both.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
+BlockHash = bytes
 
-def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes."""
-    return hash((parent, tuple(tokens)))
+
+def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+    """sha256 of a full block's tokens and its parent's hash: equal hashes mean equal prefixes."""
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class BlockPool:
@@ -32,8 +43,10 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        # What each cached block holds, checked on every hit: (its parent's hash, its tokens).
+        self.block_keys: list[tuple[BlockHash | None, tuple[int, ...]] | None] = [None] * num_blocks
+        self.hash_to_block: dict[BlockHash, int] = {}
         # Free blocks in eviction order (least recently freed first); cached ones keep their hash.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
 
@@ -59,11 +72,13 @@ class BlockPool:
             return []
         blocks, parent = [], None
         for start in range(0, len(token_ids) - self.block_size, self.block_size):
-            parent = chain_hash(parent, token_ids[start:start + self.block_size])
-            block = self.hash_to_block.get(parent)
-            if block is None:
-                break
+            tokens = tuple(token_ids[start:start + self.block_size])
+            h = chain_hash(parent, tokens)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_keys[block] != (parent, tokens):
+                break   # a miss, or a collision: never reuse KV computed for other tokens
             blocks.append(block)
+            parent = h
         return blocks
 
     def take(self, blocks: Iterable[int]) -> None:
@@ -102,7 +117,7 @@ class BlockPool:
             self._release(block_table.pop())
 
     # ---- publishing finished blocks -----------------------------------
-    def cache_full_blocks(self, block_table: list[int], block_hashes: list[int],
+    def cache_full_blocks(self, block_table: list[int], block_hashes: list[BlockHash],
                           token_ids: Sequence[int], num_final_tokens: int) -> None:
         """Hash and publish blocks whose tokens are all final (computed and accepted).
 
@@ -113,11 +128,13 @@ class BlockPool:
         while len(block_hashes) < num_full:
             i = len(block_hashes)
             parent = block_hashes[-1] if block_hashes else None
-            h = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
             block_hashes.append(h)
             block = block_table[i]
             if h not in self.hash_to_block and self.block_hashes[block] is None:
                 self.block_hashes[block] = h
+                self.block_keys[block] = (parent, tokens)
                 self.hash_to_block[h] = block
 
     # ---- internals -----------------------------------------------------
@@ -125,13 +142,16 @@ class BlockPool:
         self.ref_counts[block] -= 1
         assert self.ref_counts[block] >= 0, f"block {block} released too often"
         if self.ref_counts[block] == 0:
-            self.free_blocks[block] = None
+            self.free_blocks[block] = None   # cached: reused last
+            if self.block_hashes[block] is None:
+                self.free_blocks.move_to_end(block, last=False)   # holds nothing worth keeping: reused first
 
     def _forget_hash(self, block: int) -> None:
         h = self.block_hashes[block]
         if h is not None:
             del self.hash_to_block[h]
             self.block_hashes[block] = None
+            self.block_keys[block] = None
 
     def check_invariants(self, block_tables: Iterable[Sequence[int]] = ()) -> None:
         """free + used == total; ref counts equal the number of tables holding each block."""

@@ -33,7 +33,7 @@ class Request:
     num_computed_tokens: int = 0         # positions whose KV is in the target cache (a draft model's
                                          # own cursor is its proposer's business)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)   # chained sha256 of its full blocks
     # Speculation statistics (decode passes only, so recomputation never double-counts).
     num_proposed: int = 0
     num_accepted: int = 0

@@ -425,3 +425,24 @@ def test_deep_drafting_steps_that_run_over_their_prediction_draft_shallower():
     assert 4 <= after < MAX_K, after
     model.depth_steps.clear()   # the overall scale alone moves every depth alike
     assert max(k for _, k in plan_k(controller, 4)) == MAX_K
+
+
+def test_probe_only_steps_do_not_scale_drafting_steps():
+    """A step whose only drafts are probes was predicted as a plain step: its time must not move the
+    scale of drafting steps (it did, to 1.4, and the plan drafted less and less)."""
+    from types import SimpleNamespace
+
+    from engine.engine import Engine
+    from engine.step_timer import StepCostModel
+    costs = StepCostModel()
+    item = SimpleNamespace(is_decode=True, num_new_tokens=1, request=SimpleNamespace(request_id="r"), method="ngram")
+    controller = SimpleNamespace(adaptive=True, last_predicted_time=0.05, last_depth=0, observe=lambda *a: None)
+    engine = SimpleNamespace(controller=controller, costs=costs)
+    batch = SimpleNamespace(scheduled=[item])
+    proposal = SimpleNamespace(draft_token_ids=[[7]])   # one probe token
+    result = SimpleNamespace(num_accepted=[0])
+    Engine._learn(engine, batch, proposal, result, verify_time=0.06, step_time=0.09)
+    assert costs.drafting_bias == 1.0 and not costs.depth_steps
+    controller.last_depth = 1   # the plan drafted: its step does count
+    Engine._learn(engine, batch, proposal, result, verify_time=0.06, step_time=0.09)
+    assert costs.drafting_bias > 1.0

@@ -100,6 +100,19 @@ def test_prefix_blocks_are_reused(target_path, prompts, hf_greedy):
     assert schedules[0][0][1] == len(prompts[1]) - 36
 
 
+def test_the_next_turn_of_a_conversation_computes_only_its_new_tokens(target_path, prompts):
+    """A finished request publishes its last full blocks: turn 2 (turn 1's prompt and answer plus
+    3 new tokens) prefills only what turn 1 did not compute, and answers as without the cache."""
+    params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineConfig(model=target_path, dtype="float32", block_size=4))
+    (answer,), _ = run_engine(engine, prompts[:1], params)   # 38 + 11 tokens, 48 of them computed
+    second = prompts[0] + answer + [5, 6, 7]
+    (reply,), schedules = run_engine(engine, [second], params)
+    assert schedules[0][0][1] == len(second) - 48   # 12 full blocks from the cache, the last one included
+    cold = Engine(EngineConfig(model=target_path, dtype="float32", block_size=4, enable_prefix_caching=False))
+    assert run_engine(cold, [second], params)[0][0] == reply
+
+
 def test_seeded_sampling_is_independent_of_the_batch(target_path, prompts):
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     engine = Engine(EngineConfig(model=target_path, dtype="float32"))

@@ -102,3 +102,38 @@ def test_random_operations_keep_invariants(seed):
         pool.free(r["table"])
     pool.check_invariants([])
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_a_hash_collision_never_reuses_other_tokens_kv(monkeypatch):
+    """Force every block to collide (what a crafted prompt did to Python's hash() over tuples): a hit
+    is checked against the block's parent and tokens, so the other request's KV is not reused."""
+    import engine.kv_cache as kv_cache
+    monkeypatch.setattr(kv_cache, "chain_hash", lambda parent, tokens: b"collision")
+    pool = BlockPool(num_blocks=8, block_size=4)
+    victim = []
+    pool.allocate(victim, 9)
+    pool.cache_full_blocks(victim, [], list(range(9)), num_final_tokens=8)
+    assert pool.match_prefix(list(range(9))) == victim[:1]          # the same tokens still hit
+    assert pool.match_prefix([7, 7, 7, 7, 7, 7, 7, 7, 7]) == []     # other tokens, same hash: a miss
+    pool.check_invariants([victim])
+
+
+def test_hashes_are_sha256_chained_over_parent_and_tokens():
+    from engine.kv_cache import chain_hash
+    first = chain_hash(None, [1, 2, 3, 4])
+    assert len(first) == 32 and first != chain_hash(None, [1, 2, 3, 5])
+    assert chain_hash(first, [5, 6, 7, 8]) != chain_hash(None, [5, 6, 7, 8])   # the parent is part of it
+
+
+def test_empty_blocks_are_reused_before_cached_ones():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    cached, scratch = [], []
+    pool.allocate(cached, 8)
+    pool.cache_full_blocks(cached, [], list(range(8)), num_final_tokens=8)
+    pool.allocate(scratch, 12)                 # draft lookahead slots, say
+    pool.free(cached)                          # cached prefix: to the back of the reuse order
+    pool.trim(scratch, 4)                      # two trimmed blocks, holding nothing
+    fresh = []
+    assert pool.allocate(fresh, 12)            # three blocks: two trimmed ones and the never-used one
+    assert pool.match_prefix(list(range(9))) == [0, 1], "a cached prefix was evicted before empty blocks"
+    pool.check_invariants([scratch, fresh])
