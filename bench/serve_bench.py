@@ -36,8 +36,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conversations import QUESTIONS, ROOT, chat_ids  # noqa: E402
 PLAIN = json.dumps({"method": "none"})
 VARIANTS = {   # name -> (extra flags of `specserve serve`, extra environment)
     "ours": (["--speculative-config", PLAIN], {}),
@@ -184,21 +184,18 @@ async def drive(server: Launched, prompts: list[str], concurrency: int, max_toke
     return result
 
 
-def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: int, speculative: bool) -> float:
-    """Our offline engine's output tokens/s on the same chat prompts, max_num_seqs = concurrency."""
+def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: int) -> float:
+    """Our offline engine's output tokens/s, plain decoding, on the same chat prompts, max_num_seqs =
+    concurrency."""
     import dataclasses
 
     from engine import LLM, SamplingParams
     from server.config import load_config
     config = load_config(config_path, environ={}).engine
-    if not speculative:
-        config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, method="none"))
+    config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, method="none"))
     llm = LLM(config.model, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                                if f.name not in ("model", "max_num_seqs")}, max_num_seqs=concurrency)
-    tokenizer = llm.tokenizer
-    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                          add_generation_prompt=True), add_special_tokens=False)
-           for q in prompts]
+    ids = [chat_ids(llm.tokenizer, [{"role": "user", "content": q}]) for q in prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(ids[:1], SamplingParams(max_tokens=8, temperature=0.0))   # warm-up
     start = time.perf_counter()
@@ -206,10 +203,15 @@ def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: 
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
+def level_prompts(questions: list[str], concurrency: int, requests: int) -> list[str]:
+    """The prompts of one concurrency level: `requests` of them, or max(8, 2 x concurrency)."""
+    return [questions[i % len(questions)] for i in range(requests or max(8, 2 * concurrency))]
+
+
 # ---- the report ----------------------------------------------------------------------------------
 
-def _ratio(value: float) -> str:
-    return f"{value:14.2f}x" if value == value else f"{'-':>15}"
+def _ratio(value: float, width: int) -> str:
+    return f"{value:{width - 1}.2f}x" if value == value else f"{'-':>{width}}"
 
 
 def table(results: dict[int, dict[str, Result]], offline_tps: dict[int, float], peer: str | None) -> list[str]:
@@ -221,7 +223,7 @@ def table(results: dict[int, dict[str, Result]], offline_tps: dict[int, float], 
             vs_off = r.tok_s / offline_tps[c] if c in offline_tps and name != peer else float("nan")
             lines.append(f"{c:4d} {name:>12} {r.tok_s:7.1f} {r.tokens / max(1, len(r.ttft)):7.1f} {1e3 * statistics.median(r.ttft):7.0f}ms "
                          f"{1e3 * percentile(r.ttft, 0.99):7.0f}ms {1e3 * statistics.median(r.itl):6.1f}ms "
-                         f"{1e3 * percentile(r.itl, 0.99):6.1f}ms {_ratio(vs_peer)} {_ratio(vs_off)[5:]}")
+                         f"{1e3 * percentile(r.itl, 0.99):6.1f}ms {_ratio(vs_peer, 15)} {_ratio(vs_off, 10)}")
     return lines
 
 
@@ -260,8 +262,7 @@ def main(argv=None) -> int:
             asyncio.run(drive(server, all_questions[:1], 1, 8))
         results: dict[int, dict[str, Result]] = {}
         for level_index, c in enumerate(levels):
-            n = args.requests or max(8, 2 * c)
-            prompts = [all_questions[i % len(all_questions)] for i in range(n)]
+            prompts = level_prompts(all_questions, c, args.requests)
             order = list(servers) if level_index % 2 == 0 else list(reversed(servers))
             results[c] = {name: asyncio.run(drive(servers[name], prompts, c, args.max_tokens)) for name in order}
             results[c] = {name: results[c][name] for name in servers}
@@ -274,9 +275,7 @@ def main(argv=None) -> int:
     offline_tps = {}
     if not args.no_offline:
         for c in levels:
-            n = args.requests or max(8, 2 * c)
-            offline_tps[c] = offline(args.config, [all_questions[i % len(all_questions)] for i in range(n)], c,
-                                     args.max_tokens, speculative=False)
+            offline_tps[c] = offline(args.config, level_prompts(all_questions, c, args.requests), c, args.max_tokens)
         print("offline engine (plain): " + ", ".join(f"batch {c} {t:.1f} tok/s" for c, t in offline_tps.items()))
     peer = "transformers" if "transformers" in servers else ("llama.cpp" if "llama.cpp" in servers else None)
     print(f"\nstreamed chat completions, {args.max_tokens} tokens, greedy; ratios: tokens/s over {peer or 'no peer'}"

@@ -26,16 +26,16 @@ from fastapi.responses import PlainTextResponse, Response
 from server import protocol as p
 from server.async_engine import Choice, EngineDeadError
 from server.middleware import GuardMiddleware
-from server.serving import DEFAULT_WATCHDOG_S, Server, server_error
+from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_WATCHDOG_TIMEOUT
+from server.serving import Server, server_error
 from server.tokenizer import ChatTemplateError, render_chat
 
 logger = logging.getLogger("specserve.server")
-DEFAULT_MAX_BODY = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
 
 
 def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None,
-               on_dead=None, max_num_waiting: int | None = None, max_body_size: int = DEFAULT_MAX_BODY,
-               watchdog_timeout: float = DEFAULT_WATCHDOG_S) -> FastAPI:
+               on_dead=None, max_num_waiting: int | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+               watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT) -> FastAPI:
     """engine: an Engine (its loop runs on a thread of this process) or a started
     server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies.
     max_num_waiting: queued requests past which new ones get a 429 (None: unbounded);

@@ -23,6 +23,8 @@ from engine.config import EngineConfig, SpeculativeConfig
 ENV_PREFIX = "SPECSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENGINE_CORES = ("process", "thread")
+DEFAULT_MAX_BODY_SIZE = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
+DEFAULT_WATCHDOG_TIMEOUT = 120.0     # seconds without a step while requests wait: /health says the engine is stuck
 
 
 class ConfigError(ValueError):
@@ -41,8 +43,8 @@ class ServerConfig:
     engine_core: str = "process"        # where Engine.step() runs: its own process, or a thread of the API's
     engine_threads: int | None = None   # the engine's compute threads (None: every core this process may use)
     max_num_waiting: int | None = 512   # queued requests past which new ones get a 429
-    max_body_size: int = 16 * 2**20     # bytes of a request body past which it is a 413
-    watchdog_timeout: float = 120.0     # seconds without a finished step while requests wait: /health is 503
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE          # bytes of a request body past which it is a 413
+    watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT  # seconds without a finished step while requests wait
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

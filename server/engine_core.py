@@ -272,13 +272,11 @@ class ProcessCore:
                  start_timeout: float = 600.0):
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self.num_threads = engine_threads(num_threads)
         self.process = context.Process(target=_process_main, name="specserve-engine-core", daemon=True,
-                                       args=(config, child_conn, self.num_threads, log_level))
+                                       args=(config, child_conn, engine_threads(num_threads), log_level))
         self.process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
-        self._reader: threading.Thread | None = None
         self.info = self._wait_ready(start_timeout)
 
     def _wait_ready(self, timeout: float) -> EngineInfo:
@@ -297,9 +295,7 @@ class ProcessCore:
         return message[1]
 
     def start(self, on_message: Callable[[tuple], None]) -> None:
-        self._reader = threading.Thread(target=self._read, args=(on_message,), name="specserve-core-reader",
-                                        daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._read, args=(on_message,), name="specserve-core-reader", daemon=True).start()
 
     def _read(self, on_message: Callable[[tuple], None]) -> None:
         try:

@@ -10,16 +10,9 @@ from __future__ import annotations
 import hmac
 import json
 
+from server.protocol import error_body
+
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})   # probes and scrapers send no key
-
-
-def _error(status: int, message: str, type_: str, code: str,
-           headers: list[tuple[bytes, bytes]] = ()) -> tuple[dict, dict]:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         *headers]}
-    return start, {"type": "http.response.body", "body": body}
 
 
 class GuardMiddleware:
@@ -71,6 +64,9 @@ class GuardMiddleware:
 
     @staticmethod
     async def _reply(send, status: int, message: str, type_: str, code: str, headers=()) -> None:
-        start, body = _error(status, message, type_, code, headers=list(headers))
-        await send(start)
-        await send(body)
+        """An error in the shape every other error has, sent before the app sees the request."""
+        body = json.dumps(error_body(message, type_, code=code)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                *headers]})
+        await send({"type": "http.response.body", "body": body})

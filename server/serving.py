@@ -18,9 +18,8 @@ from engine.engine import ContextLengthError
 from engine.sampling_params import SamplingParams
 from server import protocol as p
 from server.async_engine import AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError
+from server.config import DEFAULT_WATCHDOG_TIMEOUT
 from server.tokenizer import TextStream, TokenStrings
-
-DEFAULT_WATCHDOG_S = 120.0      # no step for this long while requests wait: /health says the engine is stuck
 
 
 def server_error(exc: Exception) -> p.APIError:
@@ -39,7 +38,7 @@ class Server:
     """What the routes share: the engine bridge, the tokenizer and the served name."""
 
     def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics, on_dead=None,
-                 max_num_waiting: int | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_S):
+                 max_num_waiting: int | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT):
         self.async_engine = AsyncEngine(engine, metrics, on_dead)
         self.max_num_waiting = max_num_waiting
         self.watchdog_timeout = watchdog_timeout
