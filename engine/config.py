@@ -116,6 +116,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     seed: int = 0
+    max_step_failures: int = 5            # steps in a row failing every request in them: the engine is dead
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -123,7 +124,7 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         check_model_path(self.model, "model")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "max_step_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("block_size", "num_kv_blocks", "max_model_len"):

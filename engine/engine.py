@@ -13,7 +13,7 @@ from engine.outputs import RequestOutput, RequestTiming, SpecTotals, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampler import PositionalNoise
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
 from engine.spec_decode.base import Proposal
 from engine.verify import VerifyResult, verify
@@ -23,6 +23,16 @@ logger = logging.getLogger("specserve.engine")
 
 class ContextLengthError(ValueError):
     """The prompt plus max_tokens does not fit the model's context."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on: the device failed, or max_step_failures steps in a row failed for
+    every request in them. The process should exit so that its orchestrator restarts it."""
+
+
+# Errors after which the device's state is unknown (CUDA's sticky errors): nothing on it is retried.
+DEVICE_ERROR_MARKS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "illegal memory access",
+                      "NCCL error", "HIP error")
 
 
 class Engine:
@@ -44,6 +54,7 @@ class Engine:
         self.last_stats: StepStats | None = None
         self.totals = SpecTotals()
         self._next_seed = config.seed
+        self.num_failed_steps = 0   # consecutive steps in which every request failed
 
     @property
     def method(self) -> str:
@@ -107,19 +118,64 @@ class Engine:
         if not batch.scheduled:
             return []
         try:
-            t0 = time.perf_counter()
-            proposal = self.proposer.propose(batch.scheduled)
-            t1 = time.perf_counter()
-            result = verify(self.target, batch.scheduled, proposal)
-            t2 = time.perf_counter()
-        except Exception as exc:  # one bad batch must not take the server down
-            logger.exception("engine step failed")
-            return self._fail(batch, exc)
-        self._learn(batch, proposal, result, t2 - t1, t2 - t0)
+            passed = self._forward(batch)
+        except Exception as exc:  # one bad request must not fail the batch, nor take the server down
+            return self._isolate(batch, exc)
+        self.num_failed_steps = 0
+        return self._finish(batch, *passed)
+
+    def _forward(self, batch: SchedulerOutput) -> tuple[Proposal, VerifyResult, float, float]:
+        """The step's tensor work (proposer and target pass): no request's state changes in it, so
+        a failed pass can be rerun. Returns the proposal, the verification and their times."""
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose(batch.scheduled)
+        t1 = time.perf_counter()
+        result = verify(self.target, batch.scheduled, proposal)
+        return proposal, result, t1 - t0, time.perf_counter() - t1
+
+    def _finish(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, draft_time: float,
+                verify_time: float) -> list[RequestOutput]:
+        """The step's bookkeeping: learn its costs and acceptance, apply it to the requests."""
+        self._learn(batch, proposal, result, verify_time, draft_time + verify_time)
         outputs, emitted_drafts = self._update(batch, proposal, result)
-        self.last_stats = self._stats(batch, proposal, emitted_drafts, t1 - t0, t2 - t1, outputs)
+        self.last_stats = self._stats(batch, proposal, emitted_drafts, draft_time, verify_time, outputs)
         self.totals.add(self.last_stats)
         return outputs
+
+    def _isolate(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A failed pass is rerun request by request: only a request that fails alone is failed
+        (finish_reason "error"). A device error, or max_step_failures steps in a row in which every
+        request failed, is fatal: EngineDeadError. (The step metrics then see the last rerun only.)"""
+        self._check_device(exc)
+        logger.error("an engine step of %d requests failed: %s: %s", len(batch.scheduled), type(exc).__name__, exc,
+                     exc_info=exc)
+        if len(batch.scheduled) == 1:
+            outputs, num_failed = self._fail(batch.scheduled, exc), 1
+        else:
+            outputs, num_failed = [], 0
+            for i, item in enumerate(batch.scheduled):
+                single = SchedulerOutput([item], batch.preempted if i == 0 else [])
+                try:
+                    passed = self._forward(single)
+                except Exception as alone:
+                    self._check_device(alone)
+                    logger.error("request %s failed alone: %s: %s", item.request.request_id, type(alone).__name__,
+                                 alone)
+                    outputs += self._fail([item], alone)
+                    num_failed += 1
+                else:
+                    outputs += self._finish(single, *passed)
+        self.num_failed_steps = self.num_failed_steps + 1 if num_failed == len(batch.scheduled) else 0
+        if self.num_failed_steps >= self.config.max_step_failures:
+            raise EngineDeadError(f"{self.num_failed_steps} engine steps in a row failed every request in them; "
+                                  f"the last error: {type(exc).__name__}: {exc}") from exc
+        return outputs
+
+    @staticmethod
+    def _check_device(exc: Exception) -> None:
+        message = str(exc)
+        if isinstance(exc, getattr(torch, "AcceleratorError", ())) or any(m in message for m in DEVICE_ERROR_MARKS):
+            raise EngineDeadError(f"the device failed: {type(exc).__name__}: {exc}") from exc
 
     # ---- speculation control ---------------------------------------------------------
     def _plan(self) -> dict:
@@ -273,9 +329,9 @@ class Engine:
             prompt_logprobs=prompt_logprobs, spec=request.spec_stats, timing=timing,
         )
 
-    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+    def _fail(self, items: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:
         outputs = []
-        for item in batch.scheduled:
+        for item in items:
             request = item.request
             request.finish_reason, request.status = "error", RequestStatus.FINISHED
             self.scheduler.remove(request)

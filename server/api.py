@@ -105,6 +105,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
+        if server.shutting_down:
+            return p.APIError(503, "the server is shutting down", "server_error", code="shutting_down").response()
         if not server.async_engine.is_alive:
             return server_error(EngineDeadError(server.async_engine.dead_reason)).response()
         stalled = server.async_engine.stalled_for()

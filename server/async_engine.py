@@ -37,6 +37,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down, and this request did not finish within shutdown_timeout."""
+
+
 class AsyncEngine:
     """engine: an Engine (run on a thread of this process) or a started ProcessCore. on_dead is
     called once, on the event loop, if the core dies while serving (the CLI exits non-zero then)."""
@@ -185,6 +189,13 @@ class AsyncEngine:
                 future.set_exception(error)
 
     def _fail_all(self, error: EngineDeadError) -> None:
+        self._end_all(error)
+        if self.on_dead is not None and not self._stopping:
+            self.on_dead(self.error)
+
+    def _end_all(self, error: EngineDeadError) -> list[str]:
+        """Every request in flight gets `error` (streams: an error event and [DONE]); returns their ids."""
+        ended = list(dict.fromkeys([*self._adding, *self._queues]))
         for future in self._adding.values():
             if not future.done():
                 future.set_exception(error)
@@ -193,8 +204,19 @@ class AsyncEngine:
         self._queues.clear()
         for queue in queues.values():
             queue.put_nowait(error)
-        if self.on_dead is not None and not self._stopping:
-            self.on_dead(self.error)
+        return ended
+
+    async def drain(self, timeout: float) -> int:
+        """Shutdown: wait up to `timeout` seconds for the requests in flight to finish, then end the
+        rest with ShuttingDownError and abort them in the engine. Returns how many were cut short."""
+        deadline = self._loop.time() + timeout
+        while (self._queues or self._adding) and self.is_alive and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        cut = self._end_all(ShuttingDownError(f"the server is shutting down: the request did not finish within "
+                                              f"shutdown_timeout ({timeout:g} s)"))
+        if cut and self.is_alive:
+            self._submit([("abort", rid, "abort") for rid in cut])
+        return len(cut)
 
     # ---- introspection (event loop thread) ----------------------------------------------
     def stalled_for(self) -> float:

@@ -75,6 +75,7 @@ def serve(config: ServerConfig) -> int:
     import uvicorn
 
     from server.api import create_app
+    from server.http import SHUTDOWN_BACKSTOP_S, DrainingServer
     from server.metrics import Metrics
     from server.tokenizer import load_tokenizer
 
@@ -100,8 +101,14 @@ def serve(config: ServerConfig) -> int:
                 config.engine.model, config.served_model_name, info.dtype, info.device, info.num_blocks,
                 info.block_size, info.max_model_len, info.method, info.gamma, config.engine_core, info.num_threads,
                 "on" if config.api_key else "off", host, config.port)
-    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                         access_log=config.log_level == "debug"))
+    if not config.api_key and config.host not in ("127.0.0.1", "::1", "localhost"):
+        logger.warning("specserve: AUTHENTICATION IS OFF on %s: anyone who reaches port %d can use the model; set "
+                       "SPECSERVE_API_KEY (or --api-key) unless a proxy in front authenticates", config.host,
+                       config.port)
+    http = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                         access_log=config.log_level == "debug",
+                                         timeout_graceful_shutdown=SHUTDOWN_BACKSTOP_S),
+                          lambda: app.state.server.shutdown(config.shutdown_timeout))
     http.run()
     return 1 if died else 0
 

@@ -25,6 +25,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENGINE_CORES = ("process", "thread")
 DEFAULT_MAX_BODY_SIZE = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
 DEFAULT_WATCHDOG_TIMEOUT = 120.0     # seconds without a step while requests wait: /health says the engine is stuck
+DEFAULT_SHUTDOWN_TIMEOUT = 25.0     # on SIGTERM: drain this long (Kubernetes kills after 30 s by default)
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,7 @@ class ServerConfig:
     max_num_waiting: int | None = 512   # queued requests past which new ones get a 429
     max_body_size: int = DEFAULT_MAX_BODY_SIZE          # bytes of a request body past which it is a 413
     watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT  # seconds without a finished step while requests wait
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # on SIGTERM: seconds in-flight requests may still run
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -59,6 +61,8 @@ class ServerConfig:
             raise ConfigError(f"max_num_waiting must be >= 0, got {self.max_num_waiting}")
         if self.watchdog_timeout <= 0:
             raise ConfigError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_body_size < 1024:
             raise ConfigError(f"max_body_size must be at least 1KiB, got {self.max_body_size}")
         if self.api_key == "":
@@ -173,6 +177,10 @@ OPTIONS: tuple[Option, ...] = (
            "are answered 429 with Retry-After (default 512)", "N"),
     Option("watchdog_timeout", _parse_float, "seconds without a finished engine step, while requests wait, "
            "after which /health answers 503 (default 120)", "SECONDS"),
+    Option("shutdown_timeout", _parse_float, "on SIGTERM: stop admitting (503), let in-flight requests run this "
+           "many seconds, then end the rest with an error (default 25, inside Kubernetes' 30 s grace)", "SECONDS"),
+    Option("max_step_failures", _parse_int, "engine steps in a row that fail every request in them before the "
+           "engine is declared dead and the server exits 1 (default 5)", "N"),
     Option("max_body_size", parse_size, "largest request body, e.g. 16MiB; larger ones are a 413 before "
            "they are read (default 16MiB)", "SIZE"),
 )
@@ -180,7 +188,7 @@ OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
 # Spelled as in EngineConfig; accepted in YAML files as an alias.
 YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
-               "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout")
+               "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout", "shutdown_timeout")
 
 
 def _parse(option: Option, value: Any, source: str) -> Any:
@@ -220,7 +228,13 @@ def read_yaml(path: str) -> dict[str, Any]:
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Options from SPECSERVE_<KEY> variables (SPECSERVE_SPECULATIVE_CONFIG: the speculative JSON)."""
+    """Options from SPECSERVE_<KEY> variables (SPECSERVE_SPECULATIVE_CONFIG: the speculative JSON).
+    An empty variable counts as unset, except the API key's: an empty Secret must not silently
+    turn authentication off."""
+    api_key = OPTIONS_BY_KEY["api_key"].env
+    if api_key in environ and not environ[api_key].strip():
+        raise ConfigError(f"environment variable {api_key} is set but empty: give the key, or unset the variable "
+                          f"to turn authentication off")
     return {option.key: _parse(option, environ[option.env], f"environment variable {option.env}")
             for option in OPTIONS if environ.get(option.env, "") != ""}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -17,12 +18,18 @@ from fastapi.responses import StreamingResponse
 from engine.engine import ContextLengthError
 from engine.sampling_params import SamplingParams
 from server import protocol as p
-from server.async_engine import AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError
+from server.async_engine import (
+    AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError, ShuttingDownError,
+)
 from server.config import DEFAULT_WATCHDOG_TIMEOUT
 from server.tokenizer import TextStream, TokenStrings
 
+logger = logging.getLogger("specserve.server")
+
 
 def server_error(exc: Exception) -> p.APIError:
+    if isinstance(exc, ShuttingDownError):
+        return p.APIError(503, str(exc), "server_error", code="shutting_down")
     if isinstance(exc, EngineDeadError):
         return p.APIError(503, str(exc), "server_error", code="engine_dead")
     return p.APIError(500, f"the engine failed this request: {exc}", "server_error", code="engine_error")
@@ -48,6 +55,7 @@ class Server:
         self.api_key = api_key
         self.metrics = metrics
         self.created = p.now()
+        self.shutting_down = False
 
     @property
     def info(self):
@@ -60,6 +68,9 @@ class Server:
                                 f"`{self.served_model_name}`).", param="model", code="model_not_found")
 
     def check_alive(self) -> None:
+        if self.shutting_down:
+            raise p.APIError(503, "the server is shutting down; retry on another replica", "server_error",
+                             code="shutting_down", headers={"Retry-After": "1"})
         if not self.async_engine.is_alive:
             raise server_error(EngineDeadError(self.async_engine.dead_reason))
 
@@ -97,6 +108,15 @@ class Server:
             return SamplingParams(**fields, **request.sampling_kwargs())
         except ValueError as exc:
             raise p.APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
+
+    async def shutdown(self, timeout: float) -> None:
+        """SIGTERM: admit nothing more (503; /health too, so readiness fails), let the requests in
+        flight run for up to `timeout` seconds, then end the rest with an error."""
+        self.shutting_down = True
+        logger.info("specserve: shutting down: draining requests in flight for up to %g s", timeout)
+        cut = await self.async_engine.drain(timeout)
+        if cut:
+            logger.warning("specserve: %d requests did not finish within shutdown_timeout and were ended", cut)
 
     # ---- generation -------------------------------------------------------------------
     def choices(self, prompts: list[list[int]], params: SamplingParams, request: p._SamplingRequest,

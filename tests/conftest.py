@@ -116,10 +116,11 @@ class InProcessServer:
 
 
 def sse_events(response) -> list:
-    """The `data:` payloads of a streamed response (an httpx.Response), JSON-decoded; "[DONE]" as is."""
+    """The `data:` payloads of a streamed response (an httpx.Response, or the rest of its
+    iter_lines() iterator), JSON-decoded; "[DONE]" as is."""
     import json
     events = []
-    for line in response.iter_lines():
+    for line in response.iter_lines() if hasattr(response, "iter_lines") else response:
         if line.startswith("data: "):
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))

@@ -57,6 +57,11 @@ speculative:
     assert config.engine.enable_prefix_caching is False and config.port == 1000
 
 
+def test_an_empty_api_key_variable_is_an_error_not_auth_off(models):
+    with pytest.raises(ConfigError, match="SPECSERVE_API_KEY is set but empty"):
+        load_config(None, {"model": "models/target"}, environ={"SPECSERVE_API_KEY": " "})
+
+
 def test_config_file_from_env_and_defaults(models):
     config_file = write_yaml(models / "c.yaml", "model: models/target\n")
     config = load_config(None, {}, environ={"SPECSERVE_CONFIG": config_file, "SPECSERVE_DTYPE": "float32"})

@@ -84,7 +84,7 @@ def test_a_dead_engine_process_fails_streams_and_exits_non_zero(tiny_pair, tmp_p
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))   # it is streaming
             os.kill(pid, signal.SIGKILL)
-            rest = sse_events(_Lines(lines))
+            rest = sse_events(lines)
         assert rest[-1] == "[DONE]"
         errors = [e for e in rest if isinstance(e, dict) and "error" in e]
         assert errors and errors[0]["error"]["code"] == "engine_dead", rest[-3:]
@@ -100,13 +100,3 @@ def test_a_dead_engine_process_fails_streams_and_exits_non_zero(tiny_pair, tmp_p
         assert "engine process exited" in server.log()
     finally:
         server.stop()
-
-
-class _Lines:
-    """The rest of a streamed response's lines, as sse_events reads them."""
-
-    def __init__(self, lines):
-        self.lines = lines
-
-    def iter_lines(self):
-        return self.lines
