@@ -1,4 +1,6 @@
 """Packed oneDNN linears: same results as F.linear (up to reassociation), swapped in at start-up."""
+import os
+
 import pytest
 import torch
 from helpers import make_tiny_checkpoint
@@ -18,6 +20,36 @@ def test_packed_linear_matches_linear(rows, bias):
     with torch.inference_mode():
         torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(PackedLinear(linear)(x.t().contiguous().t()), linear(x), rtol=1e-5, atol=1e-5)
+
+
+BUILD_PRIMITIVES = """
+import os, torch
+from engine.models.cpu_linear import PackedLinear
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+torch.set_num_threads(1)
+linears = [PackedLinear(torch.nn.Linear(64, 192)), PackedLinear(torch.nn.Linear(192, 64))]
+start = rss()
+with torch.inference_mode():
+    for rows in range(1, 501):   # 1,000 primitives: ~560 MiB at oneDNN's own cache sizes
+        for linear in linears:
+            linear(torch.randn(rows, linear.in_features))
+print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], rss() - start)
+"""
+
+
+def test_onednn_primitive_caches_are_bounded():
+    """oneDNN builds a primitive (~0.56 MiB) per weight shape and row count; the caches that keep
+    them are capped when cpu_linear is imported, so serving every row count stays bounded."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    result = subprocess.run([sys.executable, "-c", BUILD_PRIMITIVES], capture_output=True, text=True, env=env,
+                            timeout=300, check=True)
+    onednn, ideep, growth_mib = result.stdout.split()
+    assert onednn == ideep == "256"
+    assert float(growth_mib) < 300, result.stdout   # 200 measured; uncapped, 1,000 primitives take ~560
 
 
 def test_engine_packs_every_linear_on_cpu(tmp_path):

@@ -12,8 +12,18 @@ from F.linear by floating-point reassociation only (~1e-6 relative in fp32).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+# oneDNN JIT-builds a primitive per weight shape and row count (~1.5 ms, ~0.56 MiB) and caches it,
+# in oneDNN's cache and in ideep's, 1,024 entries each by default: an engine serving every row count
+# a batch can have grew by ~700 MiB. 256 keeps ~36 row counts of a Llama's 7 linear shapes built
+# (~200 MiB at most, measured). Read at the first packed matmul; a value set in the environment wins.
+PRIMITIVE_CACHE_CAPACITY = 256
+for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_name, str(PRIMITIVE_CACHE_CAPACITY))
 
 # The batch-size hint oneDNN packs for: 1 keeps single-token decode at least as fast as MKL's
 # GEMV while still speeding up verification and batched decode.
