@@ -135,16 +135,37 @@ def concurrently(*calls):
     return results
 
 
+def streamed_text(url: str, prompt, started: threading.Event, **body) -> str:
+    """A streamed completion's text; `started` is set at its first token."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "stream": True, **body}
+    parts = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[len("data: "):])
+                assert "error" not in event, event
+                parts.append(event["choices"][0]["text"])
+                started.set()
+    return "".join(parts)
+
+
 def test_a_poisoned_request_fails_alone_in_a_real_server(tiny_pair, tmp_path):
-    server = server_with_faults(tiny_pair, tmp_path, {"poison": POISON, "step_delay": 0.02})
+    server = server_with_faults(tiny_pair, tmp_path, {"poison": POISON, "step_delay": 0.05})
     try:
-        alone = [complete(server.url, prompt).json()["choices"][0]["text"] for prompt in PROMPTS[1:]]
-        responses = concurrently(*[lambda p=p: complete(server.url, p) for p in PROMPTS])
-        poisoned, rest = responses[0], responses[1:]
-        assert poisoned.status_code == 500 and poisoned.json()["error"]["code"] == "engine_error"
-        assert "injected fault" in poisoned.json()["error"]["message"]
-        assert [r.status_code for r in rest] == [200] * len(rest)
-        assert [r.json()["choices"][0]["text"] for r in rest] == alone
+        alone = [complete(server.url, prompt, max_tokens=64).json()["choices"][0]["text"] for prompt in PROMPTS[1:]]
+        started = [threading.Event() for _ in PROMPTS[1:]]
+
+        def poisoned():
+            assert all(event.wait(30) for event in started)   # the others are decoding: it joins their batch
+            return complete(server.url, PROMPTS[0])
+        results = concurrently(poisoned, *[lambda p=p, e=e: streamed_text(server.url, p, e)
+                                           for p, e in zip(PROMPTS[1:], started)])
+        failed, texts = results[0], results[1:]
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        assert "injected fault" in failed.json()["error"]["message"]
+        assert texts == alone
         assert re.search(r"an engine step of [2-9] requests failed", server.log())   # they shared a batch
         assert "failed alone" in server.log()
         health = httpx.get(server.url + "/health").json()
