@@ -44,6 +44,29 @@ def _get(url: str, timeout: float = 2.0):
     return httpx.get(url, timeout=timeout)
 
 
+def stop_process(process: subprocess.Popen | None) -> None:
+    """SIGTERM, and SIGKILL if it is still there 15 s later."""
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_until_idle(url: str, timeout: float = 10.0) -> dict:
+    """/health once no request is left in the engine and every KV block is free again."""
+    import httpx
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(url + "/health").json()
+        if health["num_requests"] == 0 and health["kv_blocks_free"] == health["kv_blocks_total"]:
+            return health
+        assert time.monotonic() < deadline, f"the engine is not idle {timeout} s after the last request: {health}"
+        time.sleep(0.05)
+
+
 class ServerProcess:
     """`specserve serve` in a subprocess; start() returns at once, wait_ready() blocks until /health is 200."""
 
@@ -82,13 +105,7 @@ class ServerProcess:
         raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 class InProcessServer:

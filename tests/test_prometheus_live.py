@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from ci import require_tool
-from conftest import ServerProcess, free_port
+from conftest import ServerProcess, free_port, stop_process
 from promql import (adapter_rules, dashboard_queries, expand_adapter_query, fill_grafana_variables,
                     hpa_metric_names, load_dashboard, template_variable_queries)
 
@@ -120,13 +120,7 @@ class Prometheus:
         return body["data"]
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 # ---------------------------------------------------------------------------- load

@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import InProcessServer, ServerProcess, sse_events
+from conftest import InProcessServer, ServerProcess, sse_events, wait_until_idle
 
 MODEL = "tiny"
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "64"]
@@ -100,17 +100,6 @@ def steps_with_batch_over_one(url: str) -> float:
 def finished_count(url: str, reason: str) -> float:
     samples = metric_samples(url, "specserve:request_success")
     return sum(v for (n, labels), v in samples.items() if ("finished_reason", reason) in labels)
-
-
-def wait_until_idle(url: str, timeout: float = 10.0) -> dict:
-    """/health once no request is left in the engine and every KV block is free again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        health = httpx.get(url + "/health").json()
-        if health["num_requests"] == 0 and health["kv_blocks_free"] == health["kv_blocks_total"]:
-            return health
-        assert time.monotonic() < deadline, f"engine not idle: {health}"
-        time.sleep(0.05)
 
 
 def assert_accounting(result) -> dict:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import InProcessServer, sse_events
+from conftest import InProcessServer, sse_events, wait_until_idle
 
 MODEL = "tiny"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -214,17 +214,6 @@ def metric_samples(url: str) -> dict[tuple, float]:
     text = httpx.get(url + "/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def wait_until_idle(url: str, timeout: float = 10.0) -> None:
-    import time
-    deadline = time.monotonic() + timeout
-    while True:
-        health = httpx.get(url + "/health").json()
-        if health["num_requests"] == 0 and health["kv_blocks_free"] == health["kv_blocks_total"]:
-            return
-        assert time.monotonic() < deadline, f"engine not idle: {health}"
-        time.sleep(0.05)
 
 
 def test_metrics_chosen_k_equal_the_responses(tiny_pair):

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ServerProcess
+from conftest import ServerProcess, wait_until_idle
 
 MODEL = "tiny"
 SEED = 15
@@ -338,16 +338,6 @@ def process_tree_rss(root: int) -> dict[int, int]:
     return rss
 
 
-def wait_until_idle(url: str, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        health = httpx.get(url + "/health").json()
-        if health["num_requests"] == 0 and health["kv_blocks_free"] == health["kv_blocks_total"]:
-            return health
-        assert time.monotonic() < deadline, f"the engine is not idle {timeout} s after the last request: {health}"
-        time.sleep(0.05)
-
-
 def metrics(url: str) -> dict[tuple, float]:
     """{(sample name, frozenset of labels but model_name): value} of every specserve sample."""
     out = {}
@@ -387,7 +377,7 @@ def test_soak_mixed_requests_lose_nothing_and_leak_nothing(tiny_pair, tmp_path):
             t0 = time.monotonic()
             asyncio.run(run_phase(server.url, specs[begin:begin + size]))
             begin += size
-            health = wait_until_idle(server.url)
+            health = wait_until_idle(server.url, timeout=15)
             tree = process_tree_rss(server.process.pid)
             assert engine_pid in tree and server.process.pid in tree, (engine_pid, tree)
             rss.append((tree[server.process.pid], tree[engine_pid], sum(tree.values())))
