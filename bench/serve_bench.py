@@ -16,9 +16,15 @@ chunks divided by the tokens the later one carries (a speculative chunk carries 
 --variants chooses our server configurations, by name: `ours` (plain decoding, the engine core in its
 own process with the default threads), `thread` (the engine loop on a thread of the API process),
 `process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation). --spec adds
-`spec`. llama.cpp runs when `llama-cpp-python[server]` is installed (pip install
-'llama-cpp-python[server]', built from its sdist in ~5 minutes) and --gguf names the same weights
-as a GGUF file (llama.cpp's convert_hf_to_gguf.py writes one); otherwise it is skipped with that note.
+`spec`. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same
+weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
+install it beside them:
+    pip wheel --no-deps --no-binary :all: llama-cpp-python      # builds from the sdist (5-20 minutes)
+    pip install --target /tmp/llamacpp --no-deps llama_cpp_python-*.whl sse-starlette starlette-context \
+        pydantic-settings diskcache python-dotenv
+    PYTHONPATH=/tmp/llamacpp python bench/serve_bench.py --peers llamacpp --gguf model-bf16.gguf ...
+and write the GGUF with the sdist's vendor/llama.cpp/convert_hf_to_gguf.py --outtype bf16 (on
+PYTHONPATH: its gguf-py/ and conversion/, and sentencepiece).
 """
 from __future__ import annotations
 
