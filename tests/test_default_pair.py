@@ -15,7 +15,9 @@ from server.config import read_yaml
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = read_yaml(str(ROOT / "configs" / "default.yaml"))
 PAIR = read_yaml(str(ROOT / "configs" / "smollm2-draft.yaml"))
+EAGLE = read_yaml(str(ROOT / "configs" / "default-eagle.yaml"))
 TARGET, DRAFT = ROOT / DEFAULT["model"], ROOT / PAIR["speculative"]["model"]
+HEAD = ROOT / EAGLE["speculative"]["head"]
 GAMMA = PAIR["speculative"]["num_speculative_tokens"]
 PINNED_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -24,6 +26,7 @@ PINNED_PROMPTS = [
     "How do I make a cup of green tea?",
 ]
 MIN_ACCEPTANCE = 0.08   # the committed draft measures 0.096 here (50 of 521, fp32, gamma 4); see models/README.md
+MIN_HEAD_ACCEPTANCE = 0.07   # the committed EAGLE head measures 0.085 here (46 of 541, fp32, gamma 4)
 
 if not (TARGET / "config.json").exists():
     if in_ci():   # `make test` prepares it: missing under CI is a broken setup, not a reason to skip
@@ -77,3 +80,19 @@ def test_engine_acceptance_on_pinned_prompts_and_lossless(plain, speculative):
     accepted = sum(o.spec.accepted for o in outputs)
     print(f"default pair: accepted {accepted} of {proposed} drafted tokens ({accepted / proposed:.3f})")
     assert accepted / proposed >= MIN_ACCEPTANCE
+
+
+def test_the_committed_eagle_head_is_small_lossless_and_accepted(plain):
+    """configs/default-eagle.yaml's head: a few MiB beside the target, greedy output equal to plain
+    decoding (fp32), and its acceptance on the pinned prompts where the committed head put it."""
+    assert sum(f.stat().st_size for f in HEAD.iterdir()) <= 16 * 2**20
+    llm = LLM(str(TARGET), dtype="float32", speculative={"method": "eagle", "head": str(HEAD),
+                                                          "num_speculative_tokens": 4, "adaptive": False})
+    params = SamplingParams(max_tokens=48, temperature=0)
+    prompts = [chat(plain, q) for q in PINNED_PROMPTS]
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(prompts, params)]
+    proposed = sum(o.spec.proposed for o in outputs)
+    accepted = sum(o.spec.accepted for o in outputs)
+    print(f"default head: accepted {accepted} of {proposed} drafted tokens ({accepted / proposed:.3f})")
+    assert accepted / proposed >= MIN_HEAD_ACCEPTANCE

@@ -83,6 +83,7 @@ class EagleConfig:
     stop_at: int | None = None  # stop after this step as if interrupted
     progress: bool = True
     draft_vocab: int = 0  # > 0: draft only this many most frequent answer tokens (EAGLE-3's reduced vocabulary)
+    init_head: str | None = None  # an exported head to start from instead of the target's last layer
 
 
 # ----------------------------------------------------------------------------- features
@@ -326,7 +327,9 @@ def train_eagle(cfg: EagleConfig, log=print) -> dict:
     pad = pad_token_id(target)
     data = ChatData(cfg, Path(cfg.data) if cfg.data else generate_answers(cfg, out_dir), pad)
     resuming = cfg.resume and (ckpt_dir / "state.json").exists()
-    head = (EagleHeadTrainer.load(ckpt_dir, target) if resuming else EagleHeadTrainer.from_target(target, cfg.unroll))
+    head = (EagleHeadTrainer.load(ckpt_dir, target) if resuming
+            else EagleHeadTrainer.load(cfg.init_head, target) if cfg.init_head
+            else EagleHeadTrainer.from_target(target, cfg.unroll))
     head.head_config["eagle"]["unroll"] = cfg.unroll
     _set_draft_vocab(head, cfg, data, log)
     head = head.to(device).train()
@@ -407,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "eval_windows", "held_out_every", "seed", "ckpt_every", "draft_vocab"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default=d.save_dtype)
+    p.add_argument("--init-head", default=None, metavar="DIR",
+                   help="start from this exported head (e.g. models/smollm2-135m-eagle) instead of the target's last layer")
     add_run_options(p, d)
     return p
 
