@@ -130,6 +130,16 @@ def test_resume_continues_from_checkpoint(target_dir, chat_data, tmp_path):
         torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-3, atol=1e-4)
 
 
+def test_init_head_starts_from_an_exported_head(target_dir, chat_data, tmp_path):
+    run = dict(steps=6, unroll=2, ckpt_every=3)
+    first = train_eagle(cfg(target_dir, chat_data, tmp_path / "first", **run), **QUIET)
+    second = train_eagle(cfg(target_dir, chat_data, tmp_path / "second", init_head=str(tmp_path / "first"), **run),
+                         **QUIET)
+    # the second run is evaluated first on the first run's export (bf16-rounded), not on a fresh head
+    assert second["before"]["kl"] == pytest.approx(first["after"]["kl"], rel=0.05)
+    assert second["before"]["kl"][0] < first["before"]["kl"][0]
+
+
 def test_a_draft_vocabulary_is_chosen_from_the_answers_trained_exported_and_kept_on_resume(
         target_dir, chat_data, tmp_path):
     from safetensors import safe_open
