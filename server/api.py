@@ -24,10 +24,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from server import protocol as p
-from server.async_engine import Choice, EngineDeadError
+from server.async_engine import Choice
 from server.middleware import GuardMiddleware
 from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_WATCHDOG_TIMEOUT
-from server.serving import Server, server_error
+from server.serving import Server
 from server.tokenizer import ChatTemplateError, render_chat
 
 logger = logging.getLogger("specserve.server")
@@ -105,10 +105,10 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
-        if server.shutting_down:
-            return p.APIError(503, "the server is shutting down", "server_error", code="shutting_down").response()
-        if not server.async_engine.is_alive:
-            return server_error(EngineDeadError(server.async_engine.dead_reason)).response()
+        try:
+            server.check_alive()   # shutting down, or the engine core dead: what new requests get
+        except p.APIError as error:
+            return error.response()
         stalled = server.async_engine.stalled_for()
         if stalled > server.watchdog_timeout:
             return p.APIError(503, f"the engine is stuck: no step has finished for {stalled:.0f} s while requests "
