@@ -5,8 +5,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
 - Expected tokens of k drafts from proposer m for request r are 1 + a + a^2 + ... + a^k, where a is
   the request's acceptance rate per judged draft token with m: counts that forget per judged token
   (a step that judged eight drafts does not outweigh eight steps that judged one), shrunk towards
-  the engine-wide rate of m. A steady memory of ~100 tokens gives the estimate; a short one of ~14
-  restarts it when the two disagree beyond chance, so a shift in the workload shows within a few
+  the engine-wide rate of m. The memory is ~100 tokens long, and a change-point test (a two-sided
+  CUSUM) restarts it from the tokens since a shift, so a shift in the workload shows within a few
   steps. One rate for every position: when acceptance collapses, it collapses at every position
   at once.
 - Step time is StepCostModel.step_time: the target pass as a function of its tokens, plus every
@@ -43,6 +43,7 @@ Bookkeeping only: no tensors here.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -50,9 +51,11 @@ from dataclasses import dataclass, field
 from engine.step_timer import StepCostModel
 
 PRIOR_WEIGHT = 4.0        # pseudo-observations of the engine-wide rate behind each request's estimate
-REQUEST_DECAY = 0.93      # per judged draft token: a request's short memory, ~14 tokens (half-life ~10)
-STEADY_DECAY = 0.99       # its steady memory, ~100 tokens (half-life ~70), restarted on a shift
-SHIFT_Z = 2.5             # standard errors between the two memories that make a shift
+REQUEST_DECAY = 0.93      # per judged draft token: a short memory, ~14 tokens (the ablation's "short memory")
+STEADY_DECAY = 0.99       # a request's memory, ~100 tokens (half-life ~70), restarted on a shift
+SHIFT_RATIO = 0.5         # the shift detector looks for the rejection rate (up) or the acceptance rate (down) halved
+SHIFT_LLR = math.log(300) # log-likelihood ratio that makes a shift (a fall from 0.9 to 0.1: ~4 rejections)
+MIN_JUDGED_FOR_SHIFTS = 4.0   # judged tokens before the memory's rate is worth testing against
 GLOBAL_DECAY = 0.995      # per judged draft token (of any request): the engine-wide rate, half-life ~140
 EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
@@ -106,47 +109,75 @@ def _add_credit(state: "RequestSpecState", seconds: float, plain_token: float) -
     state.credit = min((state.credit or 0.0) + seconds, MAX_CREDIT_STEPS * plain_token)
 
 
+class ShiftDetector:
+    """Two-sided Bernoulli CUSUM over a request's judged draft tokens, against its current estimate
+    p0: one score for a rise (the rejection rate 1 - p0 halved), one for a fall (p0 halved), each summing
+    the log-likelihood ratio of every judged token and floored at zero. A score past SHIFT_LLR says
+    the rate changed where that score last left zero; observe then returns the (judged, accepted)
+    tokens since then, the evidence of the new rate.
+
+    It replaced a test between a short (~14-token) and the steady memory: the short memory still
+    held the old tokens, so after acceptance came back from 0.1 to 0.9 twelve accepted probes in a
+    row (0.34^12 ~ 2e-6 under the old rate) did not count as a shift, and the plan took 21 steps to
+    draft 3 deep again. Here about eight accepted probes restart the estimate, and about four
+    rejections after a fall. At a steady rate both scores drift down: false alarms come about once
+    in 1,500 judged tokens, and cost a few steps of a wrong draft length (a tighter threshold,
+    log(100), fired three times as often, and each restart from a short, extreme segment set off
+    the next)."""
+
+    def __init__(self):
+        self.scores = {"up": 0.0, "down": 0.0}
+        self.segments = {"up": [0, 0], "down": [0, 0]}   # (judged, accepted) since the score left zero
+
+    def observe(self, p0: float, num_accepted: int, judged: int) -> tuple[int, int] | None:
+        p0 = min(max(p0, 0.02), 0.98)
+        targets = {"up": 1.0 - SHIFT_RATIO * (1.0 - p0), "down": SHIFT_RATIO * p0}
+        outcomes = [1] * num_accepted + [0] * (judged - num_accepted)
+        for side, p1 in targets.items():
+            accept, reject = math.log(p1 / p0), math.log((1 - p1) / (1 - p0))
+            for x in outcomes:
+                self.scores[side] = max(0.0, self.scores[side] + (accept if x else reject))
+                segment = self.segments[side]
+                segment[:] = [segment[0] + 1, segment[1] + x] if self.scores[side] > 0 else [0, 0]
+        for side, score in self.scores.items():
+            if score > SHIFT_LLR:
+                judged_since, accepted_since = self.segments[side]
+                self.__init__()
+                return judged_since, accepted_since
+        return None
+
+
 class DecayedCounts:
     """Judged and accepted draft tokens, forgetting old ones geometrically per judged token.
 
-    With `steady` (a slower decay), two memories: the steady one gives the estimate, the short one
-    watches for shifts. Near the break-even the plan turns on a few hundredths of acceptance, and
-    a memory of ~14 tokens errs by +-0.06 at 0.9: the plan drafted 4-5 where 8 paid. Once the
-    short memory departs from the steady one by more than SHIFT_Z standard errors, the steady one
-    restarts from the short one, so a shift still shows within a few steps."""
+    With `watch`, a ShiftDetector restarts the counts from the tokens since a detected change.
+    Near the break-even the plan turns on a few hundredths of acceptance, so the memory must be
+    long (a memory of ~14 tokens errs by +-0.06 at 0.9: the plan drafted 4-5 where 8 paid); the
+    detector lets a long memory still follow a shift within a few steps."""
 
-    def __init__(self, decay: float, steady: float | None = None):
+    def __init__(self, decay: float, watch: bool = False):
         self.decay = decay
         self.judged = 0.0
         self.accepted = 0.0
-        self.steady = DecayedCounts(steady) if steady else None
+        self.shifts = ShiftDetector() if watch else None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         judged = min(num_drafted, num_accepted + 1)   # drafts past the first rejection were not judged
+        if self.shifts is not None and self.judged >= MIN_JUDGED_FOR_SHIFTS:
+            since = self.shifts.observe(self.accepted / self.judged, num_accepted, judged)
+            if since is not None:
+                self.judged, self.accepted = map(float, since)
+                return
         forget = self.decay ** judged
         self.judged = forget * self.judged + judged
         self.accepted = forget * self.accepted + num_accepted
-        if self.steady is not None:
-            self.steady.observe(num_drafted, num_accepted)
-            if self._shifted():
-                self.steady.judged, self.steady.accepted = self.judged, self.accepted
-
-    def _shifted(self) -> bool:
-        long, short = self.steady.accepted / self.steady.judged, self.accepted / self.judged
-        p = min(max((long + short) / 2, 0.05), 0.95)   # between the two: a drift up or down shows alike
-        return abs(short - long) > SHIFT_Z * (p * (1 - p) / self.judged) ** 0.5
-
-    @property
-    def evidence(self) -> "DecayedCounts":
-        return self.steady or self
 
     def rate(self, prior: float, weight: float) -> float:
-        counts = self.evidence
-        return (counts.accepted + weight * prior) / (counts.judged + weight)
+        return (self.accepted + weight * prior) / (self.judged + weight)
 
     def draw(self, prior: float, weight: float, rng: random.Random) -> float:
         """One draw from the Beta posterior of the rate, optimistic: never below its mean."""
-        mean, n = self.rate(prior, weight), self.evidence.judged + weight
+        mean, n = self.rate(prior, weight), self.judged + weight
         return max(mean, rng.betavariate(max(mean * n, 1e-3), max((1.0 - mean) * n, 1e-3)))
 
 
@@ -174,15 +205,20 @@ class SpecController:
         self._probes_left = 0
         self.explore = explore
         self.hurdle = HURDLE
-        self.steady_decay: float | None = STEADY_DECAY   # None: the short memory alone
+        self.steady_decay: float | None = STEADY_DECAY   # None: the short memory alone, no shift detector
         self._rng = random.Random(seed)      # exploration draws (they choose k, never tokens)
         self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
 
     # ---- estimates ---------------------------------------------------------------
+    def _new_counts(self) -> DecayedCounts:
+        if self.steady_decay is None:
+            return DecayedCounts(REQUEST_DECAY)
+        return DecayedCounts(self.steady_decay, watch=True)
+
     def _evidence(self, request_id: str, method: str) -> tuple[DecayedCounts, float]:
         """The request's own counts for method (empty when it has none) and the engine-wide prior."""
         state = self.states.get(request_id)
-        counts = (state.counts.get(method) if state else None) or DecayedCounts(REQUEST_DECAY, self.steady_decay)
+        counts = (state.counts.get(method) if state else None) or self._new_counts()
         return counts, self.global_counts[method].rate(prior=0.5, weight=1.0)
 
     def acceptance(self, request_id: str, method: str) -> float:
@@ -199,7 +235,7 @@ class SpecController:
             state = self.states.get(request_id)
             # Only thin evidence is worth a gamble: past PRIOR_WEIGHT judged tokens of its own the
             # estimate is the request's, and probes watch it for shifts.
-            explore = self.explore and state is not None and state.idle and counts.evidence.judged < PRIOR_WEIGHT
+            explore = self.explore and state is not None and state.idle and counts.judged < PRIOR_WEIGHT
             self._rates[key] = counts.draw(prior, PRIOR_WEIGHT, self._rng) if explore \
                 else counts.rate(prior, PRIOR_WEIGHT)
         return self._rates[key]
@@ -382,7 +418,7 @@ class SpecController:
         if num_drafted == 0 or method not in self.global_counts:
             return
         state = self.states.setdefault(request_id, RequestSpecState())
-        counts = state.counts.setdefault(method, DecayedCounts(REQUEST_DECAY, self.steady_decay))
+        counts = state.counts.setdefault(method, self._new_counts())
         counts.observe(num_drafted, num_accepted)
         self.global_counts[method].observe(num_drafted, num_accepted)
         if state.probe is not None:   # charge the probe its net cost: won tokens pay for it
