@@ -61,3 +61,38 @@ def test_engine_packs_every_linear_on_cpu(tmp_path):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, PackedLinear)
     assert pack_linears(model) == 0
+
+
+HUGE_PAGES = """
+import engine, torch
+x = torch.ones(64 << 20, dtype=torch.uint8)   # 64 MiB, touched
+huge = 0
+for line in open("/proc/self/smaps_rollup"):
+    if line.startswith("AnonHugePages:"):
+        huge = int(line.split()[1])
+import os
+print(os.environ["THP_MEM_ALLOC_ENABLE"], huge)
+"""
+
+
+def test_importing_the_engine_puts_big_tensors_in_huge_pages():
+    """engine/__init__ sets THP_MEM_ALLOC_ENABLE before torch is imported (torch reads it once), so
+    big CPU tensors get transparent huge pages where the kernel offers them (madvise or always);
+    an explicit 0 turns them off."""
+    import subprocess
+    import sys
+
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+    for setting, expect_huge in ((None, "[never]" not in mode), ("0", False)):
+        env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        if setting is not None:
+            env["THP_MEM_ALLOC_ENABLE"] = setting
+        result = subprocess.run([sys.executable, "-c", HUGE_PAGES], capture_output=True, text=True, env=env,
+                                timeout=120, check=True)
+        value, huge_kib = result.stdout.split()
+        assert value == (setting or "1")
+        if setting == "0" and "[always]" not in mode:
+            assert int(huge_kib) == 0, result.stdout
+        if expect_huge:
+            assert int(huge_kib) >= 2048, result.stdout   # at least one 2 MiB page (the kernel may be short of them)
