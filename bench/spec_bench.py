@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import engine  # noqa: F401  (before torch: it sets torch's CPU allocator up)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
