@@ -1,8 +1,10 @@
 """One oracle-sweep cell with the controller's mechanisms switched off one at a time, in lock-step:
 plain, static gammas (--gammas, default 2 and 4), the controller as shipped, and the controller with
-one mechanism off (--without): its 5% plan hurdle, its exploration draws, its steady acceptance memory
-(the short one alone), or the scaling of predicted drafting-step times by what whole steps measured.
-Throughput as a ratio to plain decoding, over --repeats lock-step runs.
+one mechanism off (--without): its 5% plan hurdle, its exploration draws, a new request's free first
+probe, its steady acceptance memory (the short one alone, no shift detector), or the scaling of
+predicted drafting-step times by what whole steps measured.
+Throughput as a ratio to plain decoding, over --repeats lock-step runs (each with its own prompts)
+after an untimed one.
 
     python bench/ablate_controller.py --alpha 0.9 --batch 16 [--repeats 2] [--gammas 2,4] [--without "no hurdle"]
 
@@ -16,13 +18,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_spec import oracle_cell, oracle_prompts, speculative_llm  # noqa: E402
+from bench_spec import oracle_cell, oracle_prompts, prompt_sets, speculative_llm  # noqa: E402
 from common import SMALL_DRAFT, random_llama  # noqa: E402
 
 from engine import LLM  # noqa: E402
 
 
-VARIANTS = ("no hurdle", "no exploration", "short memory", "no step bias")
+VARIANTS = ("no hurdle", "no exploration", "no first look", "short memory", "no step bias")
 
 
 def switch_off(engine, variant: str) -> None:
@@ -31,6 +33,8 @@ def switch_off(engine, variant: str) -> None:
         engine.controller.hurdle = 0.0
     elif variant == "no exploration":
         engine.controller.explore = False
+    elif variant == "no first look":   # a new request's first probe is paid from its credit like any other
+        engine.controller.first_look = False
     elif variant == "short memory":   # acceptance from the ~14-token memory alone
         engine.controller.steady_decay = None
     elif variant == "no step bias":   # step times from the parts alone, never scaled by whole steps
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     target = random_llama(os.path.join(args.root, "target"))
     draft = random_llama(os.path.join(args.root, "draft"), seed=1, **SMALL_DRAFT)
     plain = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(args.batch, 16))
-    prompts, continuations = oracle_prompts(plain, args.batch, args.new_tokens)
+    prompts, continuations = oracle_prompts(plain, args.batch * (args.repeats + 1), args.new_tokens)
     llms = {"plain": plain}
     gammas = [int(g) for g in args.gammas.split(",")]
     llms.update({f"g={g}": speculative_llm(target, draft, args.dtype, g, False, args.batch) for g in gammas})
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in variants:
         llms[name] = speculative_llm(target, draft, args.dtype, 8, True, args.batch)
         switch_off(llms[name].engine, name)
-    ratios, _ = oracle_cell(llms, continuations, prompts, args.alpha, args.new_tokens, args.repeats)
+    ratios, _ = oracle_cell(llms, continuations, prompt_sets(prompts, args.batch, args.repeats), args.alpha,
+                            args.new_tokens)
     print(f"alpha {args.alpha}, batch {args.batch}, {args.repeats} lock-step runs: "
           + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in {"plain": 1.0, **ratios}.items()))
     return 0

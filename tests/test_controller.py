@@ -290,6 +290,19 @@ def test_failed_probes_cost_at_most_the_exploration_budget():
     assert 2 <= probes and probes * extra <= EXPLORATION * 400 * plain + extra + MAX_CREDIT_STEPS * plain
 
 
+def test_a_first_look_is_free_unless_switched_off():
+    """A new request probes at once (its first look is free); with first_look off (the ablation's
+    "no first look"), it waits until its exploration credit pays for a probe."""
+    model = costs(0.0003)
+    for first_look in (True, False):
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
+        controller.first_look = first_look
+        steps = 0
+        while not controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"].probe:
+            steps += 1
+        assert (steps == 0) == first_look, (first_look, steps)
+
+
 def test_cost_curve_is_monotone_from_above():
     """A slow outlier at a small bucket does not lift the bigger ones (timings only err upwards);
     in between the curve interpolates, past its end it extrapolates."""

@@ -205,6 +205,7 @@ class SpecController:
         self._probes_left = 0
         self.explore = explore
         self.hurdle = HURDLE
+        self.first_look = True   # a new request's first probe is free (the ablation switches it off)
         self.steady_decay: float | None = STEADY_DECAY   # None: the short memory alone, no shift detector
         self._rng = random.Random(seed)      # exploration draws (they choose k, never tokens)
         self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
@@ -386,6 +387,8 @@ class SpecController:
         # A free proposer probes first; a draft model's probe is priced with its catch-up.
         usable = [m for m in self.methods if caps.get(m, 0) > 0]
         usable = [m for m in usable if not self._is_model(m)] or usable
+        if state.credit is None and not self.first_look:
+            state.credit = 0.0
         fresh = state.credit is None
         if not fresh:
             _add_credit(state, EXPLORATION * prices.plain_token, prices.plain_token)
