@@ -15,6 +15,11 @@ window_size=(window - 1, 0)). The cache keeps every position; only the masks cha
 KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim],
 so kv_cache[0] / kv_cache[1] are exactly flash-attn's paged k_cache / v_cache.
 
+Decode-shaped passes (every fed token a query whose logits are wanted: decode and verification rows)
+can instead come as a DecodeMetadata: a fixed [sequences, query rows] grid whose shapes do not depend on
+the batch's contents, read by flash_attn_with_kvcache (or a padded torch gather), with no host value
+used by the layers: what a CUDA graph captures (engine/decode_grid.py).
+
 Two torch paths (TORCH_ATTENTION, read when the metadata is built):
   "padded"     the reference: every sequence's pages gathered into one padded [B, H_kv, max_seq_len, D]
                tensor, one SDPA call with a dense mask (_padded_gather_attention);
@@ -34,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 try:  # flash-attn is an optional GPU extra; the torch path is the reference.
-    from flash_attn import flash_attn_varlen_func  # type: ignore
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore
 except Exception:  # ImportError, or a wheel built for another torch/CUDA
-    flash_attn_varlen_func = None
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
 
 # flash-attn's paged kernels need pages of a multiple of 256 tokens.
 FLASH_BLOCK_SIZE = 256
@@ -255,6 +260,62 @@ class AttentionMetadata:
         return groups
 
 
+@dataclass
+class DecodeMetadata:
+    """A decode-shaped pass as a grid of num_seqs rows of query_len queries each: sequence b's new
+    tokens are the last ones of its row (right-aligned, so the causal mask stays aligned to its last
+    key); the rows before them, and whole padding sequences, are padding, whose keys and values go to
+    a scratch slot and whose outputs are ignored. Every tensor keeps its shape from pass to pass and
+    the layers read no host value, so a CUDA graph can replay it with new contents."""
+    slot_mapping: torch.Tensor   # [B * Q] int64: cache slot of each grid row (padding: the scratch slot)
+    seq_lens: torch.Tensor       # [B] int32: keys of each sequence, its new tokens included (padding: 1)
+    block_tables: torch.Tensor   # [B, max_blocks] int32 (padding: the scratch block)
+    block_ids: torch.Tensor      # [B * max_blocks] int64: the same, flat, for the torch path's gather
+    query_len: int
+    use_flash: bool
+    _masks: dict = field(default_factory=dict)   # torch path: sliding window -> [B, 1, Q, keys] bool
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def mask(self, num_keys: int, window: int | None) -> torch.Tensor:
+        """[B, 1, Q, num_keys] bool, True = attend, computed on the device from seq_lens (the first layer
+        that asks builds it; a replayed graph rebuilds it with the pass's lengths)."""
+        if window not in self._masks:
+            device = self.seq_lens.device
+            keys = torch.arange(num_keys, device=device)
+            query_pos = (self.seq_lens.long()[:, None] - self.query_len
+                         + torch.arange(self.query_len, device=device))[:, :, None]   # [B, Q, 1]
+            visible = keys <= query_pos
+            if window is not None:
+                visible &= keys > query_pos - window
+            visible |= (query_pos < 0) & (keys == 0)   # padding rows before a short sequence: key 0, no NaN
+            self._masks[window] = visible[:, None]
+        return self._masks[window]
+
+
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeMetadata, scale: float,
+                      window: int | None) -> torch.Tensor:
+    """query [B * Q, H_q, D] -> [B * Q, H_q, D] over the grid: flash_attn_with_kvcache reads the pages
+    in place; the torch path gathers every sequence's max_blocks pages and masks (the reference)."""
+    num_seqs, q_len = meta.num_seqs, meta.query_len
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    grid = query.view(num_seqs, q_len, num_heads, head_dim)
+    if meta.use_flash:
+        out = flash_attn_with_kvcache(
+            grid, kv_cache[0], kv_cache[1], cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
+            softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
+        return out.view(num_seqs * q_len, num_heads, head_dim)
+    num_keys = meta.block_tables.shape[1] * block_size
+    keys, values = (cache.index_select(0, meta.block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)
+                    .transpose(1, 2) for cache in kv_cache)
+    out = F.scaled_dot_product_attention(grid.transpose(1, 2), keys, values, attn_mask=meta.mask(num_keys, window),
+                                         scale=scale, enable_gqa=num_heads != num_kv_heads)   # [B, H_q, Q, D]
+    return out.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim)
+
+
 def _torch_path(device: torch.device) -> str:
     if TORCH_ATTENTION not in ("auto", "sequences", "padded"):
         raise ValueError(f"torch attention path must be auto, sequences or padded, got {TORCH_ATTENTION!r}")
@@ -289,11 +350,14 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """query [T, H_q, D], key/value [T, H_kv, D] -> output [T, H_q, D]. sliding_window: this
-    layer's (None: full attention); once it cuts anything, the metadata must have been built with it."""
+    layer's (None: full attention); once it cuts anything, an AttentionMetadata must have been built
+    with it (a DecodeMetadata masks per layer)."""
     write_kv(kv_cache, key, value, meta.slot_mapping)
+    if isinstance(meta, DecodeMetadata):
+        return _decode_attention(query, kv_cache, meta, scale, sliding_window)
     if sliding_window is not None and meta.max_seq_len > sliding_window:
         if meta.windowed is None or meta.windowed.sliding_window != sliding_window:
             raise ValueError(f"a layer with sliding window {sliding_window} got attention metadata built for "

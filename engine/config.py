@@ -117,6 +117,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     max_step_failures: int = 5            # steps in a row failing every request in them: the engine is dead
+    cuda_graphs: bool = False             # decode and verification passes replayed as CUDA graphs (GPU only)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):

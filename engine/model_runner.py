@@ -1,8 +1,11 @@
 """Turns a list of sequences to feed into flat tensors, runs the model, returns logits.
 
 The runner owns the model's paged KV cache (one buffer per layer, indexed by
-the block ids of the shared block pool). The target and the draft model each
-have a runner; both read the same block tables.
+the block ids of the shared block pool, plus one scratch block that no request
+owns: padding rows of a decode grid write there). The target and the draft
+model each have a runner; both read the same block tables. With a decode grid
+(engine/decode_grid.py), decode-shaped passes run on it: as CUDA graphs, or
+through flash_attn_with_kvcache.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.decode_grid import DecodeGrid
 
 
 @dataclass
@@ -36,10 +40,19 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.use_flash = use_flash
-        shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.scratch_block = num_blocks
+        shape = (2, num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
         self.features = torch.zeros(num_blocks * block_size, model.hidden_size, dtype=dtype, device=device) \
             if keep_features else None   # [slots, hidden]
+        self.decode_grid: DecodeGrid | None = None
+
+    def enable_decode_grid(self, max_seqs: int, max_query_len: int, max_blocks: int, pad: bool = True,
+                           capture: bool = False) -> None:
+        """Run decode-shaped passes on a DecodeGrid: padded to buckets and captured as CUDA graphs
+        (pad, capture), or at their own sizes (flash_attn_with_kvcache for decode rows)."""
+        self.decode_grid = DecodeGrid(self.model, self.kv_caches, self.block_size, self.scratch_block, max_seqs,
+                                      max_query_len, max_blocks, self.device, self.use_flash, pad, capture)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -53,6 +66,8 @@ class ModelRunner:
         """Logits [sum(num_logits), vocab] float32, in item order; with return_hidden, also the
         hidden states of those rows. features [T, hidden]: one per fed token, for models that take
         them (EagleHead)."""
+        if features is None and self.decode_grid is not None and self.decode_grid.fits(items):
+            return self._grid_forward(items, return_hidden)
         query_lens = [len(item.token_ids) for item in items]
         seq_lens = [item.start_pos + n for item, n in zip(items, query_lens)]
         meta = AttentionMetadata.build(query_lens, seq_lens, [item.block_table for item in items],
@@ -70,6 +85,13 @@ class ModelRunner:
             hidden = hidden[torch.from_numpy(rows).to(self.device)]
         logits = self.model.compute_logits(hidden) if len(rows) else \
             hidden.new_zeros(0, self.model.vocab_size, dtype=torch.float32)
+        return (logits, hidden) if return_hidden else logits
+
+    def _grid_forward(self, items: list[ForwardItem], return_hidden: bool):
+        hidden, slots = self.decode_grid.run(items)   # every fed token's row: all of them want logits
+        if self.features is not None:
+            self.features.index_copy_(0, slots, hidden)
+        logits = self.model.compute_logits(hidden)
         return (logits, hidden) if return_hidden else logits
 
     def read_features(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:

@@ -111,8 +111,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             block_size * head.hidden_size * dtype.itemsize
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     max_model_len = _max_model_len(config, target_model, draft_model, num_blocks * block_size - spec.gamma)
+    blocks_per_seq = -(-(max_model_len + spec.gamma) // block_size)
     if config.num_kv_blocks is None:   # a budget larger than every sequence at full length is never used
-        blocks_per_seq = -(-(max_model_len + spec.gamma) // block_size)
         num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
 
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
@@ -134,6 +134,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "suffix" in spec.proposers:
         proposers["suffix"] = SuffixProposer(spec.suffix_max_match, spec.suffix_cache_tokens, spec.suffix_min_prob,
                                              spec.suffix_min_score, spec.suffix_spec_factor)
+    grids = {target: spec.gamma + 1}
+    if "draft" in proposers:
+        grids[proposers["draft"].runner] = 1   # its drafting passes; catch-ups feed several tokens for one logit
+    _decode_grids(config, device, grids, blocks_per_seq)
     router = Router(proposers, hf_config.vocab_size)
     controller = SpecController(list(proposers), spec.gamma, costs, spec.adaptive, spec.draft_p_min)
 
@@ -146,6 +150,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
     return EngineParts(device, dtype, target, router, controller, costs, pool, max_model_len, hf_config.vocab_size,
                        eos_token_ids(config.model, hf_config), timer)
+
+
+def _decode_grids(config: EngineConfig, device: torch.device, query_lens: dict, max_blocks: int) -> None:
+    """Decode-shaped passes on a DecodeGrid: captured as CUDA graphs with cuda_graphs, else at their own
+    sizes wherever flash-attn serves them (flash_attn_with_kvcache reads decode rows best)."""
+    if config.cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {device}")
+    for runner, max_query_len in query_lens.items():
+        if config.cuda_graphs or runner.use_flash:
+            runner.enable_decode_grid(config.max_num_seqs, max_query_len, max_blocks, pad=config.cuda_graphs,
+                                      capture=config.cuda_graphs)
 
 
 def _load(path: str, dtype: torch.dtype, device: torch.device):

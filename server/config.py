@@ -167,6 +167,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("block_size", _parse_int, "tokens per KV cache block (default 16; 256 with flash-attn)", "N"),
     Option("enable_prefix_caching", _parse_bool, "reuse KV blocks of shared prompt prefixes (default true)",
            "BOOL"),
+    Option("cuda_graphs", _parse_bool, "replay decode and verification passes as CUDA graphs, padded to batch "
+           "buckets (GPU only; default false)", "BOOL"),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
     Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
     Option("engine_core", _parse_str, "where the engine loop runs: process (its own, the default: it shares no "

@@ -52,9 +52,9 @@ speculative:
     assert config.host == "127.0.0.1" and config.engine.dtype == "auto"
 
     flags = {"speculative": '{"method": "ngram"}', "served_model_name": "pair", "enable_prefix_caching": False}
-    config = load_config(config_file, flags, environ={})
+    config = load_config(config_file, flags, environ={"SPECSERVE_CUDA_GRAPHS": "true"})
     assert config.engine.speculative.method == "ngram" and config.served_model_name == "pair"
-    assert config.engine.enable_prefix_caching is False and config.port == 1000
+    assert config.engine.enable_prefix_caching is False and config.port == 1000 and config.engine.cuda_graphs
 
 
 def test_an_empty_api_key_variable_is_an_error_not_auth_off(models):

@@ -73,3 +73,44 @@ def test_sliding_window_on_cuda_matches_cpu(tmp_path):
     gpu = LLM(str(path), dtype="float32", device="cuda", max_num_batched_tokens=12, speculative=spec).generate(
         prompts, params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+
+
+def test_cuda_graphs_decode_like_cpu(tmp_path):
+    """Decode and verification passes replayed as CUDA graphs (fp32: the torch attention path inside
+    the graphs) give the CPU's greedy output, with a draft model and n-gram routed per request."""
+    from engine import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(tmp_path / "tiny", arch="llama", seed=0)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7] * 40, [9, 8], list(range(20, 45)), [3] * 7]
+    cpu = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params)
+    spec = {"method": "auto", "model": str(path), "proposers": ["draft", "ngram"], "num_speculative_tokens": 4}
+    llm = LLM(str(path), dtype="float32", device="cuda", cuda_graphs=True, speculative=spec)
+    gpu = llm.generate(prompts, params)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    assert llm.engine.target.decode_grid.graphs   # something was captured and replayed
+    assert llm.engine.proposer.proposers["draft"].runner.decode_grid.capture
+
+
+@pytest.mark.skipif(not flash_available(torch.device("cuda")), reason="flash-attn is not installed")
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_flash_decode_rows_match_torch_path(sliding_window):
+    """flash_attn_with_kvcache over a padded decode grid (verification, decode, and a sequence shorter
+    than the grid's rows) agrees with the grid's torch path."""
+    from engine.decode_grid import DecodeGrid
+    from engine.model_runner import ForwardItem
+
+    cache = _random_pass("cuda", torch.bfloat16, FLASH_BLOCK_SIZE)[0]
+    items = [ForwardItem([0] * 5, 295, [3, 1], 5), ForwardItem([0], 16, [0], 1), ForwardItem([0] * 2, 1, [6], 2)]
+    outs = []
+    for use_flash in (False, True):
+        grid = DecodeGrid(None, [cache], FLASH_BLOCK_SIZE, scratch_block=7, max_seqs=4, max_query_len=8,
+                          max_blocks=2, device=torch.device("cuda"), use_flash=use_flash)
+        rows = grid._fill(items, *grid.shape(items))   # a 4 x 8 grid
+        meta = grid._inputs(*grid.shape(items))[2]
+        generator = torch.Generator("cuda").manual_seed(1)
+        q, k, v = (torch.randn(meta.slot_mapping.shape[0], heads, 64, device="cuda", dtype=torch.bfloat16,
+                               generator=generator) for heads in (8, 2, 2))
+        out = paged_attention(q, k, v, cache.clone(), meta, 64 ** -0.5, sliding_window)
+        outs.append(out[rows].float())
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
