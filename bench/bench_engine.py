@@ -54,6 +54,8 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="GPU: also run an engine with cuda_graphs and print its ratio to the eager one")
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "specserve-bench", "target"))
     args = parser.parse_args(argv)
 
@@ -78,6 +80,11 @@ def main(argv=None) -> None:
         results[n] = ours_tokens_per_s(llm, prompts(n, args.prompt_len), args.new_tokens, args.repeats)
     for n, tps in results.items():
         print(f"{n:2d} concurrent requests: {tps:7.2f} tok/s total ({tps / results[1]:.2f}x batch 1)")
+    if args.cuda_graphs:
+        graphs = LLM(path, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=16, cuda_graphs=True)
+        for n in results:
+            tps = ours_tokens_per_s(graphs, prompts(n, args.prompt_len), args.new_tokens, args.repeats)
+            print(f"{n:2d} concurrent requests, cuda_graphs: {tps:7.2f} tok/s total ({tps / results[n]:.2f}x eager)")
 
 
 if __name__ == "__main__":

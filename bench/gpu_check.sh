@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check, as one prepared run on a GPU machine (run from the repository root):
-#   - the `gpu`-marked tests (flash-attn path vs torch path, engine on CUDA vs CPU);
+#   - the `gpu`-marked tests (flash-attn path vs torch path, engine on CUDA vs CPU, CUDA graphs);
 #   - the engine-level suites with the engine on CUDA (device "auto" picks it): losslessness, the
 #     chi-square tests, accounting, sampler, KV cache, model parity;
 #   - bench/bench_engine.py (ours vs transformers generate on the same GPU, batching) and
@@ -19,5 +19,5 @@ python -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$OUT/g
 timeout 300 python -m pytest -q -p no:cacheprovider -rxs tests/test_spec_decode.py tests/test_controller.py tests/test_engine.py \
     tests/test_rejection.py tests/test_sampler.py tests/test_kv_cache.py tests/test_models.py 2>&1 \
     | tee "$OUT/engine_tests.txt"
-timeout 150 python bench/bench_engine.py --dtype bfloat16 --new-tokens 128 2>&1 | tee "$OUT/bench_engine.txt"
+timeout 200 python bench/bench_engine.py --dtype bfloat16 --new-tokens 128 --cuda-graphs 2>&1 | tee "$OUT/bench_engine.txt"
 timeout 240 python bench/bench_spec.py --dtype float32 --alphas 0,0.5,0.9 --batches 1,16 2>&1 | grep -v 'Writing\|Loading' | tee "$OUT/bench_spec.txt"
