@@ -143,15 +143,16 @@ class DecodeGrid:
 
     def _record(self, shape: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture one bucket's pass. The buffers already hold a real pass: the warm-up runs compute it
-        (writing the same keys and values the replay will), then the capture records it."""
-        args = self._inputs(*shape)
+        (writing the same keys and values the replay will), then the capture records it. The capture
+        gets metadata of its own: one that the warm-up had used would hand it the warm-up's cached
+        masks, and the graph would replay those instead of building each pass's."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):   # lazy initialisation (cuBLAS handles, kernel selection) outside the capture
-                self.model(*args)
+                self.model(*self._inputs(*shape))
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(*args)
+            hidden = self.model(*self._inputs(*shape))
         return graph, hidden
