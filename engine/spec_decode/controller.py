@@ -126,6 +126,9 @@ class ShiftDetector:
     the next)."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.scores = {"up": 0.0, "down": 0.0}
         self.segments = {"up": [0, 0], "down": [0, 0]}   # (judged, accepted) since the score left zero
 
@@ -142,7 +145,7 @@ class ShiftDetector:
         for side, score in self.scores.items():
             if score > SHIFT_LLR:
                 judged_since, accepted_since = self.segments[side]
-                self.__init__()
+                self.reset()
                 return judged_since, accepted_since
         return None
 
