@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+QUANTIZATIONS = ("none", "bf16", "int8")   # weight-only formats of the linears: engine/models/streamed_linear.py
+
 PROPOSERS = ("draft", "eagle", "ngram", "suffix")
 SPEC_METHODS = ("auto", *PROPOSERS, "none")
 MAX_SPEC_TOKENS = 32
@@ -118,12 +120,15 @@ class EngineConfig:
     seed: int = 0
     max_step_failures: int = 5            # steps in a row failing every request in them: the engine is dead
     cuda_graphs: bool = False             # decode and verification passes replayed as CUDA graphs (GPU only)
+    quantization: str = "none"            # none | bf16 | int8: weight-only formats of the linears (CPU)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
         object.__setattr__(self, "speculative", SpeculativeConfig.from_any(self.speculative))
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         check_model_path(self.model, "model")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "max_step_failures"):
             if getattr(self, name) < 1:

@@ -16,6 +16,7 @@ from engine.model_runner import ModelRunner
 from engine.models.eagle import load_eagle_head
 from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_linear_available
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model
+from engine.models.streamed_linear import check_quantization, stream_linears
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
@@ -92,16 +93,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if (target_flash or draft_flash) and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
+    check_quantization(config.quantization, device)
+    quantization = config.quantization
     target_model = load_model(config.model, dtype, device)
     draft_model = draft_config = head = None
     if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
-        draft_model = _load(spec.model, draft_dtype, device)
+        draft_model = _prepared(load_model(spec.model, draft_dtype, device), draft_dtype, device, quantization)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
-        head = _packed(load_eagle_head(spec.head, target_model, dtype, device), dtype, device)
-    target_model = _packed(target_model, dtype, device)
+        head = _prepared(load_eagle_head(spec.head, target_model, dtype, device), dtype, device, quantization)
+    target_model = _prepared(target_model, dtype, device, quantization)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
     if draft_config is not None:
@@ -145,8 +148,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
         _calibrate(timer, costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)
-    logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
-                "sliding_window=%s, speculative=%s gamma=%d", config.model, str(dtype).replace("torch.", ""), device,
+    logger.info("engine ready: model=%s dtype=%s quantization=%s device=%s kv_blocks=%d x %d tokens, "
+                "max_model_len=%d, sliding_window=%s, speculative=%s gamma=%d", config.model,
+                str(dtype).replace("torch.", ""), quantization, device,
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
     return EngineParts(device, dtype, target, router, controller, costs, pool, max_model_len, hf_config.vocab_size,
                        eos_token_ids(config.model, hf_config), timer)
@@ -163,12 +167,12 @@ def _decode_grids(config: EngineConfig, device: torch.device, query_lens: dict, 
                                       capture=config.cuda_graphs)
 
 
-def _load(path: str, dtype: torch.dtype, device: torch.device):
-    return _packed(load_model(path, dtype, device), dtype, device)
-
-
-def _packed(model, dtype: torch.dtype, device: torch.device):
-    if packed_linear_available(device, dtype):   # cheaper small-batch matmuls on CPU (verification)
+def _prepared(model, dtype: torch.dtype, device: torch.device, quantization: str):
+    """The model's linears in their serving form on CPU: weight-only bf16 / int8 when asked, else
+    oneDNN-packed (both make small-batch matmuls, i.e. verification, cheaper than torch's default)."""
+    if quantization != "none":
+        stream_linears(model, quantization)
+    if packed_linear_available(device, dtype):   # every linear left (all of them without quantization)
         pack_linears(model)
     return model
 

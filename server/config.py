@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import QUANTIZATIONS, EngineConfig, SpeculativeConfig
 
 ENV_PREFIX = "SPECSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -169,6 +169,9 @@ OPTIONS: tuple[Option, ...] = (
            "BOOL"),
     Option("cuda_graphs", _parse_bool, "replay decode and verification passes as CUDA graphs, padded to batch "
            "buckets (GPU only; default false)", "BOOL"),
+    Option("quantization", _parse_str, "weight-only format of the linears on CPU: bf16 (2 bytes a weight) or "
+           "int8 (one scale per 32 weights, Q8_0's grouping), computed in fp32 by a C++ kernel built on first "
+           "use (default none)", choices=QUANTIZATIONS),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
     Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
     Option("engine_core", _parse_str, "where the engine loop runs: process (its own, the default: it shares no "

@@ -1,0 +1,152 @@
+"""Weight-only bf16 and int8 linears for CPUs: fewer bytes per weight, computed in fp32.
+
+Decoding a small batch reads every weight once per step, so on a CPU its speed is the weights'
+bytes over memory bandwidth. On CPUs without native bf16 (AVX2 only) the engine computes in fp32 and
+oneDNN reads 4 bytes a weight. `quantization: bf16` keeps each linear's weight in bf16 (2 bytes) and
+`quantization: int8` in int8 with one scale per 32 weights of a row (Q8_0's grouping: 1.125 bytes);
+`csrc/streamed_linear.cpp` widens them to fp32 in registers. A Q8_0 GGUF's weights come back
+exactly under `int8`: its scale per 32 is their largest magnitude over 127, which is what
+`quantize_int8` computes.
+
+Activations stay in the model's dtype and the matmul runs in fp32; embeddings, norms and the KV
+cache are untouched. The kernel serves every row count; prefill chunks of more than
+PREFILL_ROWS rows widen the weight to fp32 once and use torch's GEMM instead, which blocks for
+cache reuse better than the kernel's row tiles.
+
+The kernel is C++ built by torch's extension loader on first use (a C++ compiler and ninja are
+needed; about a minute; cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions)
+and needs AVX2 and FMA.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import QUANTIZATIONS
+
+logger = logging.getLogger("specserve.engine")
+
+GROUP = 32               # int8 weights per scale
+PREFILL_ROWS = 64        # above this many rows, widen the weight once and use torch's GEMM
+_SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_unavailable_reason() -> str | None:
+    """None when the kernel can run here, else why not (for the error a user sees)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"it needs an x86-64 CPU with AVX2 and FMA; this is {platform.machine()}"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    try:
+        _extension()
+    except Exception as exc:   # no compiler, no ninja, a failed build: say so, never fail silently
+        last = (str(exc).strip().splitlines() or [""])[-1]
+        return f"its C++ kernel did not build ({type(exc).__name__}: {last})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _extension():
+    from torch.utils.cpp_extension import load
+
+    verbose = os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1"
+    logger.info("loading the streamed-linear kernel (built on first use, about a minute)")
+    return load("specserve_streamed_linear", [str(_SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=verbose)
+
+
+def check_quantization(name: str, device: torch.device) -> None:
+    """Raise a ValueError naming the problem when `quantization: name` cannot serve on `device`."""
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
+    if name == "none":
+        return
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantization {name!r} is a CPU weight format; this engine runs on {device}")
+    reason = kernel_unavailable_reason()
+    if reason:
+        raise ValueError(f"quantization {name!r} is not available: {reason}")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> int8 [N, K] and fp32 scales [N, K / 32]: per group of 32, the largest magnitude
+    maps to 127 (Q8_0's rule, so a dequantized Q8_0 tensor comes back exactly)."""
+    rows, cols = weight.shape
+    groups = weight.detach().float().reshape(rows, cols // GROUP, GROUP)
+    scales = groups.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(groups / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(rows, cols).contiguous(), scales.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    return (q.reshape(rows, cols // GROUP, GROUP).float() * scales.unsqueeze(-1)).reshape(rows, cols)
+
+
+class StreamedLinear(nn.Module):
+    """A linear whose weight is kept in bf16 or int8 and computed in fp32 (see the module's doc)."""
+
+    def __init__(self, linear: nn.Linear, fmt: str):
+        super().__init__()
+        if fmt not in ("bf16", "int8"):
+            raise ValueError(f"StreamedLinear format must be bf16 or int8, got {fmt!r}")
+        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        with torch.no_grad():
+            weight = linear.weight.detach()
+            if fmt == "bf16":
+                self.weight, self.scales = weight.to(torch.bfloat16).contiguous(), None
+            else:
+                self.weight, self.scales = quantize_int8(weight)
+            self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self._kernel = _extension()
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight this linear computes with, in fp32."""
+        return self.weight.float() if self.scales is None else dequantize_int8(self.weight, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        if len(rows) > PREFILL_ROWS:
+            out = F.linear(rows, self.dense_weight(), self.bias)
+        elif self.scales is None:
+            out = self._kernel.linear_bf16(rows, self.weight, self.bias)
+        else:
+            out = self._kernel.linear_int8(rows, self.weight, self.scales, self.bias)
+        return out.reshape(*shape[:-1], self.out_features).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.fmt}"
+
+
+def streamable(linear: nn.Module) -> bool:
+    return isinstance(linear, nn.Linear) and linear.in_features % GROUP == 0
+
+
+def stream_linears(model: nn.Module, fmt: str) -> int:
+    """Swap every nn.Linear of `model` whose input width is a multiple of 32 (in place) for a
+    StreamedLinear; returns how many. A tied LM head gets its own copy (the embedding stays)."""
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if streamable(child)]
+    for parent, name, child in targets:
+        setattr(parent, name, StreamedLinear(child, fmt))
+    return len(targets)

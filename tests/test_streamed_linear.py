@@ -1,0 +1,175 @@
+"""Weight-only bf16 / int8 linears (quantization: bf16 | int8): the C++ kernel against torch, Q8_0
+round trips, the engine on them, and clear errors where they cannot serve."""
+import numpy as np
+import pytest
+import torch
+from helpers import make_tiny_checkpoint
+
+from engine.models import streamed_linear
+from engine.models.streamed_linear import (PREFILL_ROWS, StreamedLinear, check_quantization, dequantize_int8,
+                                           kernel_unavailable_reason, quantize_int8, stream_linears)
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(kernel_unavailable_reason() is not None,
+                                reason=f"streamed-linear kernel: {kernel_unavailable_reason()}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33, PREFILL_ROWS, PREFILL_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_streamed_linear_matches_torch_on_its_own_weights(fmt, rows, bias):
+    """Every row count (the kernel's 4-row tiles and their tails; the GEMM path past PREFILL_ROWS)
+    and an odd output width (its 2-column tail) equal F.linear on the weight the layer holds."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(96, 37, bias=bias)
+    layer = StreamedLinear(linear, fmt)
+    x = torch.randn(rows, 96)
+    expected = torch.nn.functional.linear(x, layer.dense_weight(), None if linear.bias is None else linear.bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+        batched = layer(x.reshape(1, rows, 96))   # leading dims and a non-contiguous view pass through
+        torch.testing.assert_close(batched.reshape(rows, 37), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x.t().contiguous().t()), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt, tolerance", [("bf16", 1e-2), ("int8", 2e-2)])
+def test_streamed_weights_stay_close_to_the_original(fmt, tolerance):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 192, bias=False)
+    error = (StreamedLinear(linear, fmt).dense_weight() - linear.weight).abs().max() / linear.weight.abs().max()
+    assert 0 < error < tolerance
+
+
+def test_bf16_activations_come_back_in_bf16():
+    linear = torch.nn.Linear(64, 16)
+    layer = StreamedLinear(linear, "int8")
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), torch.nn.functional.linear(x.float(), layer.dense_weight(), linear.bias),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_a_q8_0_tensor_comes_back_exactly():
+    """int8 uses Q8_0's rule (per 32 weights, the largest magnitude maps to 127), so a dequantized
+    Q8_0 GGUF tensor (the committed draft's format) is served with its own integers and scales."""
+    from gguf import GGMLQuantizationType, quants
+
+    weight = np.random.default_rng(0).standard_normal((48, 128)).astype(np.float32)
+    q8_0 = quants.dequantize(quants.quantize(weight, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+    q, scales = quantize_int8(torch.from_numpy(q8_0))
+    torch.testing.assert_close(dequantize_int8(q, scales), torch.from_numpy(q8_0), rtol=0, atol=1e-7)
+    assert q.abs().amax(dim=1).eq(127).all()
+
+
+def test_all_zero_groups_quantize_to_zero():
+    weight = torch.zeros(4, 64)
+    weight[1, 40] = 3.0
+    q, scales = quantize_int8(weight)
+    torch.testing.assert_close(dequantize_int8(q, scales), weight)
+
+
+def test_stream_linears_swaps_every_linear_and_keeps_the_tied_embedding(tmp_path):
+    from engine.models.loader import load_model
+
+    path = make_tiny_checkpoint(tmp_path / "m", seed=0, tie_word_embeddings=True)
+    model = load_model(str(path), torch.float32, torch.device("cpu"))
+    embedding = model.model.embed_tokens.weight.clone()
+    assert stream_linears(model, "int8") == 4 * 2 + 1
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    torch.testing.assert_close(model.model.embed_tokens.weight, embedding, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streamed")
+    target = make_tiny_checkpoint(root / "target", seed=3, num_layers=2)
+    draft = make_tiny_checkpoint(root / "draft", seed=4, num_layers=1)
+    return str(target), str(draft)
+
+
+def _greedy(model: str, prompts, **options) -> list[list[int]]:
+    from engine.llm import LLM
+
+    llm = LLM(model, dtype="float32", skip_tokenizer_init=True, **options)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+PROMPTS = [[5, 9, 200, 17, 33], [40, 41, 42, 43, 44, 45, 46, 47] * 3, [7]]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_engine_on_streamed_weights_decodes_like_a_model_holding_those_weights(pair, fmt, tmp_path):
+    """The engine on int8 / bf16 linears gives the greedy tokens of plain fp32 decoding of a
+    checkpoint whose weights are the ones the kernel computes with; speculation on top of it
+    (draft model and n-gram) stays lossless."""
+    from engine.models.loader import load_model
+    from safetensors.torch import save_file
+
+    target, draft = pair
+    model = load_model(target, torch.float32, torch.device("cpu"))
+    stream_linears(model, fmt)
+    rounded = make_tiny_checkpoint(tmp_path / "rounded", seed=3, num_layers=2)
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, StreamedLinear):
+            state[f"{name}.weight"] = module.dense_weight()
+            if module.bias is not None:
+                state[f"{name}.bias"] = module.bias
+    checkpoint = _hf_state(target, state)
+    save_file(checkpoint, str(rounded / "model.safetensors"))
+
+    reference = _greedy(str(rounded), PROMPTS)
+    assert _greedy(target, PROMPTS, quantization=fmt) == reference
+    assert _greedy(target, PROMPTS, quantization=fmt, speculative={
+        "method": "draft", "model": draft, "num_speculative_tokens": 3}) == reference
+    assert _greedy(target, PROMPTS, quantization=fmt, speculative={
+        "method": "ngram", "num_speculative_tokens": 3}) == reference
+
+
+def _hf_state(path: str, replaced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint at `path` with the fused linears' rows (qkv, gate_up) replaced from `replaced`."""
+    from safetensors.torch import load_file
+
+    from engine.models.loader import load_model
+
+    state = load_file(f"{path}/model.safetensors")
+    model = load_model(path, torch.float32, torch.device("meta"))
+    for name, module in model.named_modules():
+        weight = replaced.get(f"{name}.weight")
+        if weight is None:
+            continue
+        if not hasattr(module, "shards"):
+            state[f"{name}.weight"] = weight
+            continue
+        parent = name.rsplit(".", 1)[0]
+        for shard, offset, rows in module.shards():
+            state[f"{parent}.{shard}.weight"] = weight[offset:offset + rows].contiguous()
+    return state
+
+
+def test_quantization_errors_name_the_problem(pair, monkeypatch):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be one of none, bf16, int8, got 'int4'"):
+        EngineConfig(model=pair[0], quantization="int4")
+    with pytest.raises(ValueError, match="CPU weight format; this engine runs on cuda"):
+        check_quantization("int8", torch.device("cuda"))
+    check_quantization("none", torch.device("cuda"))
+    monkeypatch.setattr(streamed_linear, "kernel_unavailable_reason", lambda: "this CPU lacks avx2")
+    with pytest.raises(ValueError, match="quantization 'bf16' is not available: this CPU lacks avx2"):
+        check_quantization("bf16", torch.device("cpu"))
+
+
+def test_server_option_reaches_the_engine(pair, tmp_path):
+    from server.config import load_config
+
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(f"model: {pair[0]}\nquantization: int8\n")
+    assert load_config(str(config_file), environ={}).engine.quantization == "int8"
+    assert load_config(str(config_file), environ={"SPECSERVE_QUANTIZATION": "bf16"}).engine.quantization == "bf16"
+    with pytest.raises(ValueError, match="quantization"):
+        load_config(str(config_file), {"quantization": "q4"}, environ={})
