@@ -15,8 +15,9 @@ chunks divided by the tokens the later one carries (a speculative chunk carries 
 
 --variants chooses our server configurations, by name: `ours` (plain decoding, the engine core in its
 own process with the default threads), `thread` (the engine loop on a thread of the API process),
-`process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation). --spec adds
-`spec`. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same
+`process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation), `fp32` / `int8`
+(plain decoding with `quantization: none` / `int8`; `ours` has the config's, auto by default) and
+`spec-int8`. --spec adds `spec`. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same
 weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
 install it beside them:
     pip wheel --no-deps --no-binary :all: llama-cpp-python      # builds from the sdist (5-20 minutes)
@@ -53,6 +54,9 @@ VARIANTS = {   # name -> (extra flags of `specserve serve`, extra environment)
     "active": (["--speculative-config", PLAIN], {"OMP_WAIT_POLICY": "ACTIVE"}),
     "passive": (["--speculative-config", PLAIN], {"OMP_WAIT_POLICY": "PASSIVE"}),
     "spec": ([], {}),
+    "fp32": (["--speculative-config", PLAIN, "--quantization", "none"], {}),   # the dtype's own weights
+    "int8": (["--speculative-config", PLAIN, "--quantization", "int8"], {}),
+    "spec-int8": (["--quantization", "int8"], {}),
 }
 
 

@@ -39,7 +39,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         parts: EngineParts = build_engine_parts(config)
-        self.device, self.dtype = parts.device, parts.dtype
+        self.device, self.dtype, self.quantization = parts.device, parts.dtype, parts.quantization
         self.target, self.proposer = parts.target, parts.proposer   # proposer: the Router over every proposer
         self.controller, self.costs = parts.controller, parts.costs
         self.pool: BlockPool = parts.pool

@@ -16,7 +16,7 @@ from engine.model_runner import ModelRunner
 from engine.models.eagle import load_eagle_head
 from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_linear_available
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model
-from engine.models.streamed_linear import check_quantization, stream_linears
+from engine.models.streamed_linear import check_quantization, kernel_unavailable_reason, stream_linears
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
@@ -48,6 +48,7 @@ class EngineParts:
     vocab_size: int
     eos_token_ids: frozenset[int]
     step_timer: PlainStepTimer
+    quantization: str
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,6 +68,22 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     configured = _DTYPES.get(str(configured).replace("torch.", ""), torch.bfloat16)
     return configured if configured != torch.float32 else torch.bfloat16
+
+
+def resolve_quantization(name: str, dtype_name: str, dtype: torch.dtype, device: torch.device) -> str:
+    """auto: bf16 weights through the streamed-linear kernel where dtype auto fell back to fp32 because
+    the CPU has no native bf16 (the weights a bf16 CPU would serve, at half fp32's bytes); else none.
+    Any other value is checked and kept."""
+    if name != "auto":
+        check_quantization(name, device)
+        return name
+    if device.type != "cpu" or dtype_name != "auto" or dtype != torch.float32:
+        return "none"
+    reason = kernel_unavailable_reason()
+    if reason:
+        logger.warning("quantization auto: serving fp32 weights, the bf16 weight kernel is unavailable (%s)", reason)
+        return "none"
+    return "bf16"
 
 
 def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
@@ -93,8 +110,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if (target_flash or draft_flash) and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
-    check_quantization(config.quantization, device)
-    quantization = config.quantization
+    quantization = resolve_quantization(config.quantization, config.dtype, dtype, device)
     target_model = load_model(config.model, dtype, device)
     draft_model = draft_config = head = None
     if "draft" in spec.proposers:
@@ -153,7 +169,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 str(dtype).replace("torch.", ""), quantization, device,
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
     return EngineParts(device, dtype, target, router, controller, costs, pool, max_model_len, hf_config.vocab_size,
-                       eos_token_ids(config.model, hf_config), timer)
+                       eos_token_ids(config.model, hf_config), timer, quantization)
 
 
 def _decode_grids(config: EngineConfig, device: torch.device, query_lens: dict, max_blocks: int) -> None:

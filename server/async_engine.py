@@ -241,7 +241,8 @@ class AsyncEngine:
             status = EngineStatus(0, 0, info.num_blocks, info.num_blocks, 0.0)
         return {"status": "ok", "num_requests": status.num_requests, "kv_blocks_free": status.kv_blocks_free,
                 "kv_blocks_total": status.kv_blocks_total, "engine": self.core.kind, "engine_pid": info.pid,
-                "engine_threads": info.num_threads, "dtype": info.dtype, "device": info.device}
+                "engine_threads": info.num_threads, "dtype": info.dtype, "quantization": info.quantization,
+                "device": info.device}
 
 
 class RequestFailedError(RuntimeError):

@@ -171,7 +171,8 @@ OPTIONS: tuple[Option, ...] = (
            "buckets (GPU only; default false)", "BOOL"),
     Option("quantization", _parse_str, "weight-only format of the linears on CPU: bf16 (2 bytes a weight) or "
            "int8 (one scale per 32 weights, Q8_0's grouping), computed in fp32 by a C++ kernel built on first "
-           "use (default none)", choices=QUANTIZATIONS),
+           "use; none keeps the dtype's weights (default auto: bf16 where dtype auto falls back to float32 for "
+           "want of native bf16, else none)", choices=QUANTIZATIONS),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
     Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
     Option("engine_core", _parse_str, "where the engine loop runs: process (its own, the default: it shares no "

@@ -50,6 +50,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     dtype: str
+    quantization: str
     device: str
     num_blocks: int
     block_size: int
@@ -61,7 +62,7 @@ class EngineInfo:
     def of(cls, engine) -> "EngineInfo":
         import torch
         return cls(engine.config.model, engine.method, tuple(engine.proposer.methods), engine.max_model_len,
-                   engine.vocab_size, str(engine.dtype).replace("torch.", ""), str(engine.device),
+                   engine.vocab_size, str(engine.dtype).replace("torch.", ""), engine.quantization, str(engine.device),
                    engine.pool.num_blocks, engine.pool.block_size, engine.gamma, torch.get_num_threads(), os.getpid())
 
 

@@ -154,7 +154,7 @@ def _hf_state(path: str, replaced: dict[str, torch.Tensor]) -> dict[str, torch.T
 def test_quantization_errors_name_the_problem(pair, monkeypatch):
     from engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="quantization must be one of none, bf16, int8, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, bf16, int8, got 'int4'"):
         EngineConfig(model=pair[0], quantization="int4")
     with pytest.raises(ValueError, match="CPU weight format; this engine runs on cuda"):
         check_quantization("int8", torch.device("cuda"))
@@ -162,6 +162,19 @@ def test_quantization_errors_name_the_problem(pair, monkeypatch):
     monkeypatch.setattr(streamed_linear, "kernel_unavailable_reason", lambda: "this CPU lacks avx2")
     with pytest.raises(ValueError, match="quantization 'bf16' is not available: this CPU lacks avx2"):
         check_quantization("bf16", torch.device("cpu"))
+
+
+def test_quantization_auto_serves_bf16_weights_where_dtype_auto_falls_back_to_fp32(monkeypatch):
+    from engine import setup
+
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    assert setup.resolve_quantization("auto", "auto", fp32, cpu) == "bf16"
+    assert setup.resolve_quantization("auto", "float32", fp32, cpu) == "none"     # fp32 asked for by name
+    assert setup.resolve_quantization("auto", "auto", torch.bfloat16, cpu) == "none"   # native bf16
+    assert setup.resolve_quantization("auto", "auto", torch.bfloat16, torch.device("cuda")) == "none"
+    assert setup.resolve_quantization("int8", "float32", fp32, cpu) == "int8"
+    monkeypatch.setattr(setup, "kernel_unavailable_reason", lambda: "no compiler")
+    assert setup.resolve_quantization("auto", "auto", fp32, cpu) == "none"   # falls back, with a warning
 
 
 def test_server_option_reaches_the_engine(pair, tmp_path):

@@ -77,7 +77,7 @@ def check_quantization(name: str, device: torch.device) -> None:
     """Raise a ValueError naming the problem when `quantization: name` cannot serve on `device`."""
     if name not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
-    if name == "none":
+    if name in ("auto", "none"):   # auto is resolved by engine/setup.py
         return
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantization {name!r} is a CPU weight format; this engine runs on {device}")
