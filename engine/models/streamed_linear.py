@@ -9,9 +9,9 @@ exactly under `int8`: its scale per 32 is their largest magnitude over 127, whic
 `quantize_int8` computes.
 
 Activations stay in the model's dtype and the matmul runs in fp32; embeddings, norms and the KV
-cache are untouched. The kernel serves every row count; prefill chunks of more than
-PREFILL_ROWS rows widen the weight to fp32 once and use torch's GEMM instead, which blocks for
-cache reuse better than the kernel's row tiles.
+cache are untouched. The kernel serves every row count; for passes of more than PREFILL_ROWS rows
+(prefill chunks) the weight is widened to fp32 for that pass and torch's GEMM, which blocks for
+cache reuse better than the kernel's row tiles, does the matmul.
 
 The kernel is C++ built by torch's extension loader on first use (a C++ compiler and ninja are
 needed; about a minute; cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions)
@@ -22,14 +22,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from engine.config import QUANTIZATIONS
 
 logger = logging.getLogger("specserve.engine")
 
@@ -38,23 +35,12 @@ PREFILL_ROWS = 64        # above this many rows, widen the weight once and use t
 _SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.split(":", 1)[-1].split())
-
-
 @functools.lru_cache(maxsize=None)
 def kernel_unavailable_reason() -> str | None:
     """None when the kernel can run here, else why not (for the error a user sees)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"it needs an x86-64 CPU with AVX2 and FMA; this is {platform.machine()}"
-    missing = {"avx2", "fma"} - _cpu_flags()
-    if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))}"
+    capability = torch.backends.cpu.get_cpu_capability()   # what ATen's own kernels dispatch on
+    if capability not in ("AVX2", "AVX512"):
+        return f"it needs an x86-64 CPU with AVX2 and FMA; torch reports CPU capability {capability}"
     try:
         _extension()
     except Exception as exc:   # no compiler, no ninja, a failed build: say so, never fail silently
@@ -74,10 +60,9 @@ def _extension():
 
 
 def check_quantization(name: str, device: torch.device) -> None:
-    """Raise a ValueError naming the problem when `quantization: name` cannot serve on `device`."""
-    if name not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
-    if name in ("auto", "none"):   # auto is resolved by engine/setup.py
+    """Raise a ValueError naming the problem when `quantization: name` (none, bf16 or int8: EngineConfig
+    has checked the name, engine/setup.py resolved auto) cannot serve on `device`."""
+    if name == "none":
         return
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantization {name!r} is a CPU weight format; this engine runs on {device}")
