@@ -20,7 +20,10 @@ can instead come as a DecodeMetadata: a fixed [sequences, query rows] grid whose
 the batch's contents, read by flash_attn_with_kvcache (or a padded torch gather), with no host value
 used by the layers: what a CUDA graph captures (engine/decode_grid.py).
 
-Two torch paths (TORCH_ATTENTION, read when the metadata is built):
+On CPU in fp32, decode-shaped passes whose runner's model uses the fused CPU ops (models.llama.use_fused_cpu_ops)
+are marked `kernel`: one C++ call per layer does RoPE, the cache write and the attention over the pages where
+they lie (engine/csrc/decode_ops.cpp, rope_paged_attention below). Otherwise, two torch paths (TORCH_ATTENTION,
+read when the metadata is built; setting it to "sequences" or "padded" also turns the kernel off):
   "padded"     the reference: every sequence's pages gathered into one padded [B, H_kv, max_seq_len, D]
                tensor, one SDPA call with a dense mask (_padded_gather_attention);
   "sequences"  the CPU default for decode and verification rows (prefill chunks, more than
@@ -37,6 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine import cpu_kernels
 
 try:  # flash-attn is an optional GPU extra; the torch path is the reference.
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore
@@ -165,6 +170,7 @@ class AttentionMetadata:
     sliding_window: int | None = None     # keys this metadata's masks (or flash-attn) keep per query; None: all
     # The same pass for sliding-window layers; None when no layer slides or the window cuts nothing.
     windowed: "AttentionMetadata | None" = None
+    kernel: bool = False                  # decode-shaped: rope_paged_attention's C++ kernel attends, any window
 
     @property
     def num_seqs(self) -> int:
@@ -173,10 +179,14 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device, use_flash: bool = False,
-              sliding_window: int | None = None) -> "AttentionMetadata":
+              sliding_window: int | None = None, kernel: bool = False) -> "AttentionMetadata":
         """Host-side construction from plain lists (one entry per sequence). With sliding_window,
-        `windowed` holds the variant its layers read, once some sequence reaches past the window."""
+        `windowed` holds the variant its layers read, once some sequence reaches past the window.
+        kernel: the model runs the fused CPU ops; a decode-shaped pass is then marked for the
+        attention kernel (and TORCH_ATTENTION "sequences" or "padded" turns that off)."""
         path = _torch_path(torch.device(device))
+        if kernel and not use_flash and TORCH_ATTENTION == "auto" and max(query_lens) <= SEQUENCE_MAX_QUERY:
+            return cls._build(query_lens, seq_lens, block_tables, block_size, device, False, None, "kernel")
         meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash, None, path)
         if sliding_window is not None and max(seq_lens) > sliding_window:
             meta.windowed = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash,
@@ -210,7 +220,7 @@ class AttentionMetadata:
         short = q_lens <= SEQUENCE_MAX_QUERY
         split = lambda parts: cls._groups(parts, q_lens, s_lens, q_start, block_tables, block_size, device,
                                           window, path)
-        if use_flash:
+        if use_flash or path == "kernel":
             pass
         elif path == "sequences" and short.all():
             plan = SequencePlan.build(table, q_lens, s_lens, q_start, block_size, device, window)
@@ -246,6 +256,7 @@ class AttentionMetadata:
             groups=groups,
             plan=plan,
             sliding_window=window,
+            kernel=path == "kernel",
         )
 
     @classmethod
@@ -340,6 +351,25 @@ def _causal_paged_mask(q_lens: np.ndarray, s_lens: np.ndarray, max_q: int, max_k
     mask &= ~padding
     mask |= padding & (col == 0)
     return torch.from_numpy(mask[:, None]).to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] -> rotated [T, H, D] (neox style; see models.llama.RotaryEmbedding for the layout)."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def rope_paged_attention(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, num_heads: int,
+                         scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """qk [T, H_q + H_kv, D] (queries, then keys, before RoPE), value [T, H_kv, D] -> [T, H_q, D]:
+    RoPE on queries and keys, keys and values into the cache, attention. A kernel pass is one C++
+    call; every other pass rotates here and goes through paged_attention."""
+    if isinstance(meta, AttentionMetadata) and meta.kernel:
+        return cpu_kernels.extension().rope_paged_attention(
+            qk, value, cos, sin_signed, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+            meta.block_tables, num_heads, scale, sliding_window or 0)
+    query, key = apply_rope(qk, cos, sin_signed).split([num_heads, qk.shape[1] - num_heads], dim=1)
+    return paged_attention(query, key, value, kv_cache, meta, scale, sliding_window)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -46,6 +46,7 @@ class ModelRunner:
         self.features = torch.zeros(num_blocks * block_size, model.hidden_size, dtype=dtype, device=device) \
             if keep_features else None   # [slots, hidden]
         self.decode_grid: DecodeGrid | None = None
+        self.fused_ops = getattr(model, "fused_ops", False)   # models.llama.use_fused_cpu_ops ran on it
 
     def enable_decode_grid(self, max_seqs: int, max_query_len: int, max_blocks: int, pad: bool = True,
                            capture: bool = False) -> None:
@@ -71,7 +72,8 @@ class ModelRunner:
         query_lens = [len(item.token_ids) for item in items]
         seq_lens = [item.start_pos + n for item, n in zip(items, query_lens)]
         meta = AttentionMetadata.build(query_lens, seq_lens, [item.block_table for item in items],
-                                       self.block_size, self.device, self.use_flash, self.model.sliding_window)
+                                       self.block_size, self.device, self.use_flash, self.model.sliding_window,
+                                       kernel=self.fused_ops)
         input_ids = torch.tensor(np.concatenate([item.token_ids for item in items]), dtype=torch.long, device=self.device)
         positions = torch.from_numpy(np.concatenate(
             [np.arange(item.start_pos, item.start_pos + n) for item, n in zip(items, query_lens)])).to(self.device)

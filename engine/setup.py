@@ -10,11 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import FLASH_BLOCK_SIZE, flash_available
+from engine.cpu_kernels import fused_ops_usable
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
 from engine.models.eagle import load_eagle_head
 from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_linear_available
+from engine.models.llama import use_fused_cpu_ops
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model
 from engine.models.streamed_linear import check_quantization, kernel_unavailable_reason, stream_linears
 from engine.request import Request
@@ -184,12 +186,15 @@ def _decode_grids(config: EngineConfig, device: torch.device, query_lens: dict, 
 
 
 def _prepared(model, dtype: torch.dtype, device: torch.device, quantization: str):
-    """The model's linears in their serving form on CPU: weight-only bf16 / int8 when asked, else
-    oneDNN-packed (both make small-batch matmuls, i.e. verification, cheaper than torch's default)."""
+    """The model in its serving form on CPU: linears weight-only bf16 / int8 when asked, else
+    oneDNN-packed (both make small-batch matmuls, i.e. verification, cheaper than torch's default);
+    in fp32, the layers' small ops fused (engine/cpu_kernels.py)."""
     if quantization != "none":
         stream_linears(model, quantization)
     if packed_linear_available(device, dtype):   # every linear left (all of them without quantization)
         pack_linears(model)
+    if fused_ops_usable(device, dtype):
+        use_fused_cpu_ops(model)
     return model
 
 

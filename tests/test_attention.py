@@ -1,6 +1,7 @@
-"""The torch attention paths: the per-sequence ("sequences") path equals the padded-gather reference,
-and both equal a dense float64 attention, for mixed batches of decode rows, verification rows and
-prefill chunks over consecutive, scattered and partly consecutive block tables, with GQA and windows."""
+"""The attention paths: the per-sequence ("sequences") torch path and, for decode-shaped fp32 passes, the
+C++ kernel (engine/csrc/decode_ops.cpp) equal the padded-gather reference, and all equal a dense float64
+attention, for mixed batches of decode rows, verification rows and prefill chunks over consecutive,
+scattered and partly consecutive block tables, with GQA and windows."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 import engine.attention as attention
-from engine.attention import AttentionMetadata, paged_attention
+from engine import cpu_kernels
+from engine.attention import SEQUENCE_MAX_QUERY, AttentionMetadata, paged_attention, rope_paged_attention
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -74,8 +76,30 @@ def run_paths(q_lens, seq_lens, layouts, num_heads=9, num_kv_heads=3, dtype=torc
         meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window)
         layer_cache = cache.clone()
         outs[path] = paged_attention(query, key, value, layer_cache, meta, scale, window).float()
+    if dtype == torch.float32 and max(q_lens) <= SEQUENCE_MAX_QUERY and cpu_kernels.unavailable_reason() is None:
+        outs["kernel"] = kernel_attention(query, key, value, cache, q_lens, seq_lens, tables, scale, window,
+                                          expected_cache=layer_cache)
     outs["dense"] = dense_attention(query, layer_cache, q_lens, seq_lens, tables, scale, window).float()
     return outs
+
+
+def kernel_attention(query, key, value, cache, q_lens, seq_lens, tables, scale, window, expected_cache):
+    """The C++ kernel on the same pass, with RoPE the identity (cos 1, sin 0: the paths above take
+    rotated queries and keys); it must leave the cache as paged_attention did."""
+    attention.TORCH_ATTENTION = "auto"
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window, kernel=True)
+    assert meta.kernel and meta.plan is None and meta.windowed is None
+    layer_cache = cache.clone()
+    tokens = query.shape[0]
+    cos, sin = torch.ones(tokens, 1, HEAD_DIM), torch.zeros(tokens, 1, HEAD_DIM)
+    out = rope_paged_attention(torch.cat((query, key), dim=1), value, cos, sin, layer_cache, meta, query.shape[1],
+                               scale, window)
+    assert torch.equal(layer_cache, expected_cache)
+    return out
+
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
+                                   reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +112,9 @@ def assert_paths_agree(outs, dtype=torch.float32):
     tol = TOL[dtype]
     err = (outs["sequences"] - outs["padded"]).abs().max().item()
     assert err < tol, f"sequences vs padded: max abs error {err:.3g}"
-    for path in ("padded", "sequences"):
+    for path in ("padded", "sequences", "kernel"):
+        if path not in outs:
+            continue
         err = (outs[path] - outs["dense"]).abs().max().item()
         assert err < tol, f"{path} vs dense: max abs error {err:.3g}"
 
@@ -106,6 +132,78 @@ def test_mixed_batch(dtype, heads):
     q_lens, seq_lens, layouts = zip(*MIXED)
     outs = run_paths(list(q_lens), list(seq_lens), list(layouts), *heads, dtype=dtype, seed=sum(heads))
     assert_paths_agree(outs, dtype)
+
+
+DECODE_SHAPED = [row for row in MIXED if row[0] <= SEQUENCE_MAX_QUERY]
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("window", [None, 8, 24, 100])
+def test_kernel_on_decode_shaped_passes(heads, window):
+    q_lens, seq_lens, layouts = zip(*DECODE_SHAPED)
+    outs = run_paths(list(q_lens), list(seq_lens), list(layouts), *heads, window=window, seed=sum(heads))
+    assert "kernel" in outs
+    assert_paths_agree(outs)
+
+
+@needs_kernels
+def test_kernel_rows_do_not_depend_on_the_pass():
+    """A query's output is the same, bit for bit, decoded alone or as the last row of a verification
+    pass beside other sequences: what makes speculative and plain greedy decoding agree exactly."""
+    rng = np.random.default_rng(1)
+    tables = make_tables([300, 90], ["scattered", "partial"], rng)
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, NUM_BLOCKS + 200, BLOCK_SIZE, 3, HEAD_DIM, generator=g)
+    qk, value = torch.randn(6, 12, HEAD_DIM, generator=g), torch.randn(6, 3, HEAD_DIM, generator=g)
+    cos, sin = torch.rand(6, 1, HEAD_DIM, generator=g), torch.rand(6, 1, HEAD_DIM, generator=g)
+
+    def run(q_lens, seq_lens, rows, layer_cache):
+        meta = AttentionMetadata.build(q_lens, seq_lens, [tables[i] for i in range(len(q_lens))], BLOCK_SIZE, CPU,
+                                       kernel=True)
+        return rope_paged_attention(qk[rows], value[rows], cos[rows], sin[rows], layer_cache, meta, 9, 0.125)
+
+    written = cache.clone()
+    verification = run([5, 1], [300, 90], list(range(6)), written)   # positions 295..299 and 89
+    assert torch.equal(run([1], [300], [4], written.clone())[0], verification[4])   # position 299 after 295..298
+    assert torch.equal(run([1], [296], [0], cache.clone())[0], verification[0])     # position 295 before them
+
+
+@needs_kernels
+def test_kernel_rope_matches_apply_rope():
+    """Real cos / sin: the kernel rotates queries and keys as apply_rope does (one sequence, keys and
+    queries checked through the cache and the output of a one-key attention)."""
+    from engine.models.llama import RotaryEmbedding
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4 * HEAD_DIM, num_attention_heads=4, rope_theta=10000.0, max_position_embeddings=64)
+    rotary = RotaryEmbedding(config, HEAD_DIM, 64)
+    rotary.init_buffers(CPU, torch.float32)
+    positions = torch.arange(3)
+    cos, sin = rotary(positions)
+    qk, value = torch.randn(3, 6, HEAD_DIM), torch.randn(3, 2, HEAD_DIM)
+    cache = torch.zeros(2, 4, BLOCK_SIZE, 2, HEAD_DIM)
+    meta = AttentionMetadata.build([3], [3], [[2]], BLOCK_SIZE, CPU, kernel=True)
+    out = rope_paged_attention(qk, value, cos, sin, cache, meta, 4, 0.5)
+    rotated = attention.apply_rope(qk, cos, sin)
+    torch.testing.assert_close(cache[0, 2, :3], rotated[:, 4:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cache[1, 2, :3], value)
+    reference = paged_attention(rotated[:, :4], rotated[:, 4:], value, torch.zeros_like(cache),
+                                AttentionMetadata.build([3], [3], [[2]], BLOCK_SIZE, CPU), 0.5)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_kernel_only_for_decode_shaped_passes():
+    """Passes with a prefill chunk longer than SEQUENCE_MAX_QUERY keep the torch paths, as does any pass
+    when TORCH_ATTENTION names one."""
+    tables = [[0, 1, 2], [3, 4, 5]]
+    assert AttentionMetadata.build([1, 33], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True).kernel
+    long = AttentionMetadata.build([1, 34], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True)
+    assert not long.kernel and long.groups is not None
+    assert not AttentionMetadata.build([1, 3], [40, 40], tables, BLOCK_SIZE, CPU).kernel
+    attention.TORCH_ATTENTION = "sequences"
+    assert not AttentionMetadata.build([1, 3], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True).kernel
 
 
 @pytest.mark.parametrize("layout", ["consecutive", "scattered", "partial", "descending"])

@@ -10,7 +10,12 @@ Hugging Face config:
 The model works on a flat ragged batch: T tokens from any number of sequences,
 no batch dimension. Positions and the AttentionMetadata say where each token
 sits; every layer writes its keys/values into its paged cache and attends
-through `paged_attention`.
+through `rope_paged_attention` (engine/attention.py).
+
+On CPU in fp32 the engine runs the layers' small ops through C++ kernels
+(use_fused_cpu_ops below, engine/cpu_kernels.py): add + RMSNorm, silu * up, and
+RoPE + cache write + attention for decode and verification rows, one call each
+instead of a few dozen torch ops per layer.
 
 Parameter names are Hugging Face's, except that q/k/v are fused into
 `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (one GEMM each); the
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, rope_paged_attention
 
 
 class FusedLinear(nn.Linear):
@@ -65,6 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, inv_size:
 class RMSNorm(nn.Module):
     """With `residual`, first adds it (the pre-norm residual stream) and returns
     (normed, new_residual), saving the decoder layer a separate step."""
+    kernels = None   # the CPU kernels' module once use_fused_cpu_ops has run: the add and the norm in one call
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -77,6 +83,9 @@ class RMSNorm(nn.Module):
         self.eps_tensor = torch.full((), self.eps, dtype=torch.float32, device=device)  # fp32 whatever dtype is
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.kernels is not None:
+            normed, total = self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed if residual is None else (normed, total)
         if residual is None:
             return rms_norm(x, self.weight, self.eps_tensor, self.inv_size)
         x = x + residual
@@ -148,11 +157,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos_sin_cache[positions].unbind(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] -> rotated [T, H, D]."""
-    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
-
-
 class Attention(nn.Module):
     def __init__(self, config, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  sliding_window: int | None = None):
@@ -183,13 +187,14 @@ class Attention(nn.Module):
             weight = torch.cat((self.q_norm.weight.expand(self.num_heads, self.head_dim),
                                 self.k_norm.weight.expand(self.num_kv_heads, self.head_dim)))
             qk = rms_norm(qk, weight, self.q_norm.eps_tensor, self.q_norm.inv_size)
-        # Queries and keys are adjacent heads of qkv: rotate them in one go.
-        query, key = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(query, key, value, kv_cache, meta, self.scale, self.sliding_window)  # [T, H_q, D]
+        out = rope_paged_attention(qk, value, cos, sin, kv_cache, meta, self.num_heads, self.scale,
+                                   self.sliding_window)   # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
+    kernels = None   # as RMSNorm's: silu(gate) * up in one call
+
     def __init__(self, hidden: int, intermediate: int, bias: bool):
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], ["gate_proj", "up_proj"], bias=bias)
@@ -198,6 +203,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         return self.down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:])
 
 
@@ -316,3 +323,17 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
         return self.lm_head(hidden).float()
+
+
+def use_fused_cpu_ops(model: nn.Module) -> None:
+    """Run the model's norms, MLP activations and decode-shaped attention through the fused CPU ops
+    (engine/cpu_kernels.py; fp32 on CPU, where cpu_kernels.fused_ops_usable says so). The model's
+    runner reads `fused_ops` and marks decode and verification passes for the attention kernel."""
+    from engine import cpu_kernels
+
+    kernels = cpu_kernels.extension()
+    for module in model.modules():   # the kernels read rows in steps of 8 floats
+        if isinstance(module, RMSNorm) and module.weight.numel() % 8 == 0 or \
+                isinstance(module, MLP) and module.intermediate % 8 == 0:
+            module.kernels = kernels
+    model.fused_ops = model.head_dim % 16 == 0   # RoPE takes each half of a head in steps of 8

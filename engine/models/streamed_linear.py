@@ -4,7 +4,7 @@ Decoding a small batch reads every weight once per step, so on a CPU its speed i
 bytes over memory bandwidth. On CPUs without native bf16 (AVX2 only) the engine computes in fp32 and
 oneDNN reads 4 bytes a weight. `quantization: bf16` keeps each linear's weight in bf16 (2 bytes) and
 `quantization: int8` in int8 with one scale per 32 weights of a row (Q8_0's grouping: 1.125 bytes);
-`csrc/streamed_linear.cpp` widens them to fp32 in registers. A Q8_0 GGUF's weights come back
+`engine/csrc/streamed_linear.cpp` widens them to fp32 in registers. A Q8_0 GGUF's weights come back
 exactly under `int8`: its scale per 32 is their largest magnitude over 127, which is what
 `quantize_int8` computes.
 
@@ -13,50 +13,24 @@ cache are untouched. The kernel serves every row count; for passes of more than 
 (prefill chunks) the weight is widened to fp32 for that pass and torch's GEMM, which blocks for
 cache reuse better than the kernel's row tiles, does the matmul.
 
-The kernel is C++ built by torch's extension loader on first use (a C++ compiler and ninja are
-needed; about a minute; cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions)
-and needs AVX2 and FMA.
+The kernel is one of the engine's C++ CPU kernels (engine/cpu_kernels.py: built on first use,
+needs AVX2 and FMA).
 """
 from __future__ import annotations
-
-import functools
-import logging
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger("specserve.engine")
+from engine import cpu_kernels
 
 GROUP = 32               # int8 weights per scale
 PREFILL_ROWS = 64        # above this many rows, widen the weight once and use torch's GEMM
-_SOURCE = Path(__file__).with_name("csrc") / "streamed_linear.cpp"
 
 
-@functools.lru_cache(maxsize=None)
 def kernel_unavailable_reason() -> str | None:
-    """None when the kernel can run here, else why not (for the error a user sees)."""
-    capability = torch.backends.cpu.get_cpu_capability()   # what ATen's own kernels dispatch on
-    if capability not in ("AVX2", "AVX512"):
-        return f"it needs an x86-64 CPU with AVX2 and FMA; torch reports CPU capability {capability}"
-    try:
-        _extension()
-    except Exception as exc:   # no compiler, no ninja, a failed build: say so, never fail silently
-        last = (str(exc).strip().splitlines() or [""])[-1]
-        return f"its C++ kernel did not build ({type(exc).__name__}: {last})"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _extension():
-    from torch.utils.cpp_extension import load
-
-    verbose = os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1"
-    logger.info("loading the streamed-linear kernel (built on first use, about a minute)")
-    return load("specserve_streamed_linear", [str(_SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=verbose)
+    """None when the kernel can run here, else why not."""
+    return cpu_kernels.unavailable_reason()
 
 
 def check_quantization(name: str, device: torch.device) -> None:
@@ -102,7 +76,7 @@ class StreamedLinear(nn.Module):
             else:
                 self.weight, self.scales = quantize_int8(weight)
             self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        self._kernel = _extension()
+        self._kernel = cpu_kernels.extension()
 
     def dense_weight(self) -> torch.Tensor:
         """The weight this linear computes with, in fp32."""

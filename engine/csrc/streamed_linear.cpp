@@ -14,17 +14,15 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2.h"
+#include "ops.h"
+
 namespace {
 
 constexpr int64_t GROUP = 32;     // int8 weights per scale
 constexpr int64_t BLOCK_N = 16;   // output features per work item
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using specserve::hsum;
 
 // 8 weights of one row, widened to fp32.
 struct Bf16Weights {
@@ -100,6 +98,10 @@ void check(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<t
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == w.size(0), "bias: fp32 [N]");
 }
 
+}  // namespace
+
+namespace specserve {
+
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   check(x, w, bias);
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "weight: bf16");
@@ -124,9 +126,4 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   return y;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "x fp32 [M, K] @ bf16 [N, K]^T (+ bias)");
-  m.def("linear_int8", &linear_int8, "x fp32 [M, K] @ (int8 [N, K] * scales per 32)^T (+ bias)");
-}
+}  // namespace specserve

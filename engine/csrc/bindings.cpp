@@ -1,0 +1,11 @@
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace specserve;
+  m.def("linear_bf16", &linear_bf16, "x fp32 [M, K] @ bf16 [N, K]^T (+ bias)");
+  m.def("linear_int8", &linear_int8, "x fp32 [M, K] @ (int8 [N, K] * scales per 32)^T (+ bias)");
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual) * weight, x + residual), fp32 [T, H]");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up fp32 [T, 2I] -> [T, I]");
+  m.def("rope_paged_attention", &rope_paged_attention,
+        "RoPE, keys and values into the paged cache, causal attention over each sequence's pages (fp32)");
+}

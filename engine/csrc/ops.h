@@ -1,0 +1,24 @@
+// The CPU kernels' entry points (bound to Python in bindings.cpp).
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace specserve {
+
+// streamed_linear.cpp: weight-only bf16 / int8 linears computed in fp32.
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& bias);
+
+// decode_ops.cpp: a decoder layer's small ops, fused, in fp32.
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+                                        const torch::Tensor& weight, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor& value, const torch::Tensor& cos,
+                                   const torch::Tensor& sin, torch::Tensor& kv_cache,
+                                   const torch::Tensor& slot_mapping, const torch::Tensor& query_start,
+                                   const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
+                                   int64_t num_heads, double scale, int64_t window);
+
+}  // namespace specserve
