@@ -16,9 +16,9 @@ chunks divided by the tokens the later one carries (a speculative chunk carries 
 --variants chooses our server configurations, by name: `ours` (plain decoding, the engine core in its
 own process with the default threads), `thread` (the engine loop on a thread of the API process),
 `process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation), `fp32` / `int8`
-(plain decoding with `quantization: none` / `int8`; `ours` has the config's, auto by default) and
-`spec-int8`. --spec adds `spec`. llama.cpp runs when `llama-cpp-python[server]` is importable and
---gguf names the same weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
+(plain decoding with `quantization: none` / `int8`; `ours` has the config's, auto by default),
+`spec-int8`, and `torch-ops` (plain decoding with the fused CPU ops off: SPECSERVE_CPU_KERNELS=0).
+--spec adds `spec`. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
 install it beside them:
     pip wheel --no-deps --no-binary :all: llama-cpp-python      # builds from the sdist (5-20 minutes)
     pip install --target /tmp/llamacpp --no-deps llama_cpp_python-*.whl sse-starlette starlette-context \
@@ -56,6 +56,7 @@ VARIANTS = {   # name -> (extra flags of `specserve serve`, extra environment)
     "spec": ([], {}),
     "fp32": (["--speculative-config", PLAIN, "--quantization", "none"], {}),   # the dtype's own weights
     "int8": (["--speculative-config", PLAIN, "--quantization", "int8"], {}),
+    "torch-ops": (["--speculative-config", PLAIN], {"SPECSERVE_CPU_KERNELS": "0"}),   # no fused CPU ops
     "spec-int8": (["--quantization", "int8"], {}),
 }
 
