@@ -52,6 +52,15 @@ def extension():
 
 def fused_ops_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a model on (device, dtype) should run its layers' small ops through decode_ops.cpp."""
-    if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0":
+    if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0" or torch.device(device).type != "cpu" \
+            or dtype != torch.float32:
         return False
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+    reason = unavailable_reason()
+    if reason:
+        _warn_once(f"the fused CPU ops are off, so decoding runs slower: {reason}")
+    return reason is None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)

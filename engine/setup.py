@@ -166,9 +166,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
         _calibrate(timer, costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)
-    logger.info("engine ready: model=%s dtype=%s quantization=%s device=%s kv_blocks=%d x %d tokens, "
-                "max_model_len=%d, sliding_window=%s, speculative=%s gamma=%d", config.model,
-                str(dtype).replace("torch.", ""), quantization, device,
+    logger.info("engine ready: model=%s dtype=%s quantization=%s fused_cpu_ops=%s device=%s kv_blocks=%d x %d "
+                "tokens, max_model_len=%d, sliding_window=%s, speculative=%s gamma=%d", config.model,
+                str(dtype).replace("torch.", ""), quantization, "on" if target.fused_ops else "off", device,
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
     return EngineParts(device, dtype, target, router, controller, costs, pool, max_model_len, hf_config.vocab_size,
                        eos_token_ids(config.model, hf_config), timer, quantization)

@@ -98,3 +98,10 @@ def test_speculative_greedy_on_fused_ops_equals_plain(checkpoint, monkeypatch):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in speculative.generate(prompts, params)] == \
         [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_a_failed_build_turns_the_ops_off_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "their C++ code did not build (no compiler)")
+    with caplog.at_level("WARNING", logger="specserve.engine"):
+        assert not cpu_kernels.fused_ops_usable(torch.device("cpu"), torch.float32)
+    assert "fused CPU ops are off" in caplog.text and "no compiler" in caplog.text
