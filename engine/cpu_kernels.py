@@ -7,8 +7,8 @@ Two families, one extension:
                        cache write + paged attention for decode and verification rows (the layers in
                        engine/models/llama.py and engine/attention.py call them where `fused_ops` says so).
 
-torch's extension loader compiles them on first use (a C++ compiler and ninja are needed; about a
-minute; cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions). They need AVX2 and
+torch's extension loader compiles them on first use (a C++ compiler and ninja are needed; about two
+minutes; cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions). They need AVX2 and
 FMA. SPECSERVE_CPU_KERNELS=0 keeps the fused ops off (torch's ops everywhere; `quantization` still
 uses the linears).
 """
@@ -45,7 +45,7 @@ def extension():
     from torch.utils.cpp_extension import load
 
     verbose = os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1"
-    logger.info("loading the CPU kernels (built on first use, about a minute)")
+    logger.info("loading the CPU kernels (built on first use, about two minutes)")
     return load("specserve_cpu_kernels", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCES[0].parent)], verbose=verbose)
 

@@ -77,13 +77,13 @@ inline void dot_keys(const float* q, const float* const* keys, int64_t n, int64_
 }
 
 // One online-softmax step of one query row over a chunk: p = e^(scores - new max) in place, the
-// row's output rescaled and p . values added. Returns false when every key so far is masked.
-inline bool absorb(float* scores, int64_t n, const float* const* values, int64_t D, float* out, float& max,
+// row's output rescaled and p . values added; nothing while every key so far is masked.
+inline void absorb(float* scores, int64_t n, const float* const* values, int64_t D, float* out, float& max,
                    float& sum) {
   float chunk_max = NEG_INF;
   for (int64_t j = 0; j < n; ++j) chunk_max = std::max(chunk_max, scores[j]);
   const float new_max = std::max(max, chunk_max);
-  if (new_max == NEG_INF) return false;
+  if (new_max == NEG_INF) return;
   const float rescale = max == NEG_INF ? 0.f : std::exp(max - new_max);
   const __m256 m = _mm256_set1_ps(new_max);
   __m256 total = _mm256_setzero_ps();
@@ -107,7 +107,6 @@ inline bool absorb(float* scores, int64_t n, const float* const* values, int64_t
       acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[k]), _mm256_loadu_ps(values[k] + d), acc);
     _mm256_storeu_ps(out + d, acc);
   }
-  return true;
 }
 
 struct PagedCache {
