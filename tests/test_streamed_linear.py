@@ -15,11 +15,13 @@ pytestmark = pytest.mark.skipif(kernel_unavailable_reason() is not None,
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33, PREFILL_ROWS, PREFILL_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 14, 16, 17, 33, 65, PREFILL_ROWS, PREFILL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_streamed_linear_matches_torch_on_its_own_weights(fmt, rows, bias):
-    """Every row count (the kernel's 4-row tiles and their tails; the GEMM path past PREFILL_ROWS)
-    and an odd output width (its 2-column tail) equal F.linear on the weight the layer holds."""
+    """Every row count (the streamed 4-row tiles and their tails below 14 rows; the register blocks
+    of 3 rows x 4 outputs and their tails from 14; the GEMM path past PREFILL_ROWS) and an odd
+    output width (its tails, and a 32-output chunk cut short) equal F.linear on the weight the layer
+    holds."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(96, 37, bias=bias)
     layer = StreamedLinear(linear, fmt)
