@@ -142,6 +142,62 @@ def test_exploration_recovers_from_an_unlucky_start():
     assert sum(exploring[:20]) > 0 and min(exploring[30:]) > 0 and sum(exploring[30:]) >= 4 * 30
 
 
+def finished_requests(controller: SpecController, rates, judged: int = 40, seed: int = 0) -> None:
+    """Requests that each judged `judged` draft tokens, one by one, at their own rate, then finished."""
+    rng = random.Random(seed)
+    for i, rate in enumerate(rates):
+        rid = f"done{i}"
+        for _ in range(judged):
+            controller.observe(rid, "draft", 1, int(rng.random() < rate))
+        controller.on_finish(rid)
+
+
+def test_the_prior_weighs_as_much_as_requests_are_alike():
+    """Empirical Bayes over finished requests: forty requests that all accept at 0.5 differ only by
+    the binomial noise of their 40 judged tokens, so the engine-wide rate is worth many
+    pseudo-tokens; requests at 0.1 and 0.9 differ for real, so it is worth few."""
+    from engine.spec_decode.controller import MAX_PRIOR_WEIGHT, PRIOR_WEIGHT
+    alike = SpecController(["draft"], MAX_K, costs(0.0005))
+    assert alike.prior_weight("draft") == PRIOR_WEIGHT   # no finished requests yet
+    finished_requests(alike, [0.5] * 40)
+    assert alike.prior_weight("draft") >= 0.75 * MAX_PRIOR_WEIGHT
+    unlike = SpecController(["draft"], MAX_K, costs(0.0005))
+    finished_requests(unlike, [0.1, 0.9] * 20)
+    assert unlike.prior_weight("draft") <= 2.0
+    unlike.pool_evidence = False
+    assert alike.prior_weight("draft") > PRIOR_WEIGHT and unlike.prior_weight("draft") == PRIOR_WEIGHT
+
+
+def test_an_unlucky_start_keeps_drafting_when_requests_are_alike():
+    """Finished requests all accepted at 0.7; a new one's first 8 judged drafts held 2 acceptances.
+    With the population's evidence pooled, its estimate stays near 0.7 and it drafts; with the old
+    fixed 4-token prior it falls to 0.4 and turns drafting off. A request that really accepts at 0.1
+    is unlike the rest: its own tokens soon outweigh the pooled prior, and it stops drafting."""
+    def controller(pool: bool) -> SpecController:
+        c = with_history(SpecController(["draft"], MAX_K, costs(0.002, 0.004), explore=False), {"draft": 0.7},
+                         decay=GLOBAL_DECAY)
+        finished_requests(c, [0.7] * 30)
+        c.pool_evidence = pool
+        c.plan([("r", {"draft": MAX_K}, {"draft": 0})])   # its first look
+        for drafted, accepted in ((2, 1), (1, 0), (1, 0), (2, 1), (1, 0), (1, 0)):
+            c.observe("r", "draft", drafted, accepted)
+        return c
+    pooled, fixed = controller(True), controller(False)
+    assert fixed.acceptance("r", "draft") < 0.45 < 0.55 < pooled.acceptance("r", "draft")
+    assert fixed.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"].k <= 1
+    assert pooled.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"].k >= 2
+    rng, ks = random.Random(2), []
+    for _ in range(40):
+        plan = pooled.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"]
+        accepted = 0
+        while accepted < plan.k and rng.random() < 0.1:
+            accepted += 1
+        if plan.k:
+            pooled.observe("r", plan.method, plan.k, accepted)
+        ks.append(0 if plan.probe else plan.k)
+    assert all(k == 0 for k in ks[-25:]), ks
+
+
 def test_static_mode_always_drafts_the_maximum():
     controller = SpecController(["ngram"], MAX_K, costs(0.001), adaptive=False)
     plans = controller.plan([("a", {"ngram": 5}, {}), ("b", {"ngram": 0}, {})])

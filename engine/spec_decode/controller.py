@@ -5,7 +5,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
 - Expected tokens of k drafts from proposer m for request r are 1 + a + a^2 + ... + a^k, where a is
   the request's acceptance rate per judged draft token with m: counts that forget per judged token
   (a step that judged eight drafts does not outweigh eight steps that judged one), shrunk towards
-  the engine-wide rate of m. The memory is ~100 tokens long, and a change-point test (a two-sided
+  the engine-wide rate of m by as many pseudo-tokens as finished requests show requests to be alike
+  (PriorStrength: many when they all accept at one rate, few when they differ). The memory is ~100 tokens long, and a change-point test (a two-sided
   CUSUM) restarts it from the tokens since a shift, so a shift in the workload shows within a few
   steps. One rate for every position: when acceptance collapses, it collapses at every position
   at once.
@@ -50,7 +51,11 @@ from dataclasses import dataclass, field
 
 from engine.step_timer import StepCostModel
 
-PRIOR_WEIGHT = 4.0        # pseudo-observations of the engine-wide rate behind each request's estimate
+PRIOR_WEIGHT = 4.0        # pseudo-observations of the engine-wide rate behind a request's estimate, until
+                          # finished requests say how alike requests are (PriorStrength)
+MAX_PRIOR_WEIGHT = 32.0   # ... and at most this many, however alike they were
+UNLIKE_LLR = math.log(100)   # a request whose own tokens contradict the population's rate this much gets PRIOR_WEIGHT
+MIN_FINISHED = 8          # finished requests with drafts before PriorStrength overrides PRIOR_WEIGHT
 REQUEST_DECAY = 0.93      # per judged draft token: a short memory, ~14 tokens (the ablation's "short memory")
 STEADY_DECAY = 0.99       # a request's memory, ~100 tokens (half-life ~70), restarted on a shift
 SHIFT_RATIO = 0.5         # the shift detector looks for the rejection rate (up) or the acceptance rate (down) halved
@@ -150,6 +155,11 @@ class ShiftDetector:
         return None
 
 
+def judged_tokens(num_drafted: int, num_accepted: int) -> int:
+    """Drafts past the first rejection were not judged."""
+    return min(num_drafted, num_accepted + 1)
+
+
 class DecayedCounts:
     """Judged and accepted draft tokens, forgetting old ones geometrically per judged token.
 
@@ -165,7 +175,7 @@ class DecayedCounts:
         self.shifts = ShiftDetector() if watch else None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        judged = min(num_drafted, num_accepted + 1)   # drafts past the first rejection were not judged
+        judged = judged_tokens(num_drafted, num_accepted)
         if self.shifts is not None and self.judged >= MIN_JUDGED_FOR_SHIFTS:
             since = self.shifts.observe(self.accepted / self.judged, num_accepted, judged)
             if since is not None:
@@ -184,6 +194,58 @@ class DecayedCounts:
         return max(mean, rng.betavariate(max(mean * n, 1e-3), max((1.0 - mean) * n, 1e-3)))
 
 
+def unlike(counts: "DecayedCounts", rate: float) -> bool:
+    """Whether a request's own judged tokens contradict the population's rate: the log-likelihood
+    ratio of its own rate against `rate` passes UNLIKE_LLR. A strong prior is right for a request
+    like the rest and wrong for an outlier (an agentic request at 0.1 among chats at 0.7 would
+    draft on for ~40 judged tokens under 32 pseudo-tokens of 0.7); an outlier at 0.1 among 0.7s
+    shows in about 8 judged tokens, and an unlucky 2 of 8 among 0.5s does not."""
+    n, x = counts.judged, counts.accepted
+    if n <= 0:
+        return False
+    own, rate = min(max(x / n, 1e-6), 1 - 1e-6), min(max(rate, 1e-6), 1 - 1e-6)
+    return x * math.log(own / rate) + (n - x) * math.log((1 - own) / (1 - rate)) > UNLIKE_LLR
+
+
+class PriorStrength:
+    """How many judged tokens the engine-wide rate of a proposer is worth to a new request: empirical
+    Bayes from finished requests' own (judged, accepted) totals, by the method of moments for a
+    beta-binomial. If every request accepts at about the same rate, the spread of their observed
+    rates is only the binomial noise of their few judged tokens, and the engine-wide rate deserves
+    many pseudo-tokens (up to MAX_PRIOR_WEIGHT): a request that met 3 rejections in its first 5
+    drafts is then still planned near the population's rate instead of turning drafting off. If
+    requests differ (code against chat under n-gram drafting), the spread is wider than the noise
+    and the prior weighs little. With a mean rate mu, the observed rates' variance is
+    mu (1 - mu) (E[1/n] + rho (1 - E[1/n])), rho = 1 / (m + 1), m the prior's weight in tokens.
+    Finished requests are forgotten geometrically, so the estimate follows the traffic."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self.count = 0
+        self.sums = [0.0, 0.0, 0.0, 0.0]   # decayed sums of 1, r, r^2, 1/n over finished requests
+
+    def observe(self, judged: int, accepted: int) -> None:
+        if judged < 2:
+            return   # one judged token is no rate
+        rate = accepted / judged
+        self.count += 1
+        self.sums = [self.decay * s + x for s, x in zip(self.sums, (1.0, rate, rate * rate, 1.0 / judged))]
+
+    def weight(self) -> float:
+        if self.count < MIN_FINISHED:
+            return PRIOR_WEIGHT
+        total, first, second, inverse = self.sums
+        mean, inverse = first / total, inverse / total
+        spread = max(second / total - mean * mean, 0.0)
+        binomial = mean * (1.0 - mean)
+        if binomial < 1e-6 or inverse >= 1.0:
+            return PRIOR_WEIGHT
+        rho = (spread / binomial - inverse) / (1.0 - inverse)
+        if rho <= 1.0 / (MAX_PRIOR_WEIGHT + 1.0):
+            return MAX_PRIOR_WEIGHT
+        return min(max(1.0 / rho - 1.0, 1.0), MAX_PRIOR_WEIGHT)
+
+
 @dataclass
 class RequestSpecState:
     """What the controller remembers of one request."""
@@ -191,6 +253,7 @@ class RequestSpecState:
     credit: float | None = None    # exploration budget in seconds (None: new, due one probe at once)
     probe: tuple[float, float] | None = None   # the probe in flight: (its extra seconds, seconds per plain token)
     idle: bool = False   # planned no drafts last step (a probe's one token is little evidence)
+    totals: dict[str, list[int]] = field(default_factory=dict)   # method -> [judged, accepted], never forgotten
 
 
 class SpecController:
@@ -202,6 +265,8 @@ class SpecController:
         self.adaptive = adaptive
         self.draft_p_min = draft_p_min
         self.global_counts = {m: DecayedCounts(GLOBAL_DECAY) for m in self.methods}
+        self.prior_strength = {m: PriorStrength() for m in self.methods}
+        self.pool_evidence = True   # False: the prior weighs PRIOR_WEIGHT always (the ablation's "fixed prior")
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
         self.last_depth = 0   # the longest draft of the last plan (what its predicted time was priced at)
@@ -219,15 +284,23 @@ class SpecController:
             return DecayedCounts(REQUEST_DECAY)
         return DecayedCounts(self.steady_decay, watch=True)
 
-    def _evidence(self, request_id: str, method: str) -> tuple[DecayedCounts, float]:
-        """The request's own counts for method (empty when it has none) and the engine-wide prior."""
+    def _evidence(self, request_id: str, method: str) -> tuple[DecayedCounts, float, float]:
+        """The request's own counts for method (empty when it has none), the engine-wide prior rate
+        and its weight in judged tokens."""
         state = self.states.get(request_id)
         counts = (state.counts.get(method) if state else None) or self._new_counts()
-        return counts, self.global_counts[method].rate(prior=0.5, weight=1.0)
+        prior = self.global_counts[method].rate(prior=0.5, weight=1.0)
+        weight = self.prior_weight(method)
+        if weight > PRIOR_WEIGHT and unlike(counts, prior):
+            weight = PRIOR_WEIGHT   # its own tokens say it is not one of the many alike
+        return counts, prior, weight
+
+    def prior_weight(self, method: str) -> float:
+        return self.prior_strength[method].weight() if self.pool_evidence else PRIOR_WEIGHT
 
     def acceptance(self, request_id: str, method: str) -> float:
-        counts, prior = self._evidence(request_id, method)
-        return counts.rate(prior, PRIOR_WEIGHT)
+        counts, prior, weight = self._evidence(request_id, method)
+        return counts.rate(prior, weight)
 
     def planning_rate(self, request_id: str, method: str) -> float:
         """The acceptance this step's plan uses: the estimate, or for an idle request with thin
@@ -235,13 +308,12 @@ class SpecController:
         proposer and k agree)."""
         key = (request_id, method)
         if key not in self._rates:
-            counts, prior = self._evidence(request_id, method)
+            counts, prior, weight = self._evidence(request_id, method)
             state = self.states.get(request_id)
             # Only thin evidence is worth a gamble: past PRIOR_WEIGHT judged tokens of its own the
             # estimate is the request's, and probes watch it for shifts.
             explore = self.explore and state is not None and state.idle and counts.judged < PRIOR_WEIGHT
-            self._rates[key] = counts.draw(prior, PRIOR_WEIGHT, self._rng) if explore \
-                else counts.rate(prior, PRIOR_WEIGHT)
+            self._rates[key] = counts.draw(prior, weight, self._rng) if explore else counts.rate(prior, weight)
         return self._rates[key]
 
     def gains(self, request_id: str, method: str, k: int) -> list[float]:
@@ -426,6 +498,9 @@ class SpecController:
         state = self.states.setdefault(request_id, RequestSpecState())
         counts = state.counts.setdefault(method, self._new_counts())
         counts.observe(num_drafted, num_accepted)
+        totals = state.totals.setdefault(method, [0, 0])
+        totals[0] += judged_tokens(num_drafted, num_accepted)
+        totals[1] += num_accepted
         self.global_counts[method].observe(num_drafted, num_accepted)
         if state.probe is not None:   # charge the probe its net cost: won tokens pay for it
             extra, plain_token = state.probe
@@ -433,4 +508,7 @@ class SpecController:
             state.probe = None
 
     def on_finish(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            for method, (judged, accepted) in state.totals.items():
+                self.prior_strength[method].observe(judged, accepted)
