@@ -3,7 +3,8 @@ plain, static gammas (--gammas, default 2 and 4), the controller as shipped, and
 one mechanism off (--without): its 5% plan hurdle, its exploration draws, a new request's free first
 probe, its steady acceptance memory (the short one alone, no shift detector), the scaling of
 predicted drafting-step times by what whole steps measured, or the pooled prior (the engine-wide
-rate always worth 4 judged tokens, however alike finished requests were).
+rate always worth 4 judged tokens, however alike finished requests were), or long exploration
+(idle requests draw optimistic rates only until they judged 4 tokens, not 16).
 Throughput as a ratio to plain decoding, over --repeats lock-step runs (each with its own prompts)
 after an untimed one.
 
@@ -25,7 +26,8 @@ from common import SMALL_DRAFT, random_llama  # noqa: E402
 from engine import LLM  # noqa: E402
 
 
-VARIANTS = ("no hurdle", "no exploration", "no first look", "short memory", "no step bias", "fixed prior")
+VARIANTS = ("no hurdle", "no exploration", "no first look", "short memory", "no step bias", "fixed prior",
+            "short exploration")
 
 
 def switch_off(engine, variant: str) -> None:
@@ -40,6 +42,8 @@ def switch_off(engine, variant: str) -> None:
         engine.controller.steady_decay = None
     elif variant == "no step bias":   # step times from the parts alone, never scaled by whole steps
         engine.costs.observe_drafting_step = lambda predicted, measured, depth=None: None
+    elif variant == "short exploration":
+        engine.controller.explore_judged = 4.0
     elif variant == "fixed prior":
         engine.controller.pool_evidence = False
     elif variant != "adaptive":

@@ -30,10 +30,11 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   step until the plan drafts again. A request without history of its own gets one free probe at
   once. At most one request in eight probes in a step.
 - Estimates from a few judged tokens can be unluckily low, and a request that stops drafting stops
-  learning. So a request that planned no drafts last step, and has judged fewer than PRIOR_WEIGHT
+  learning. So a request that planned no drafts last step, and has judged fewer than EXPLORE_JUDGED
   tokens of its own, explores as a bandit does (optimistic Thompson sampling): the plan uses a
   draw from its acceptance posterior (the estimate's mean and its pseudo-count of judged tokens)
-  when the draw is above the mean. One near the break-even drafts again now and then until its
+  when the draw is above the mean, for one draft token (the cheapest evidence; a drawn plan of 2-3
+  tokens paid for the draw's optimism where the true rate made one token pay). One near the break-even drafts again now and then until its
   own evidence counts; one far from paying off almost never does. Requests that draft learn every
   step and plan on the mean; those with evidence of their own are watched by probes.
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
@@ -55,6 +56,7 @@ PRIOR_WEIGHT = 4.0        # pseudo-observations of the engine-wide rate behind a
                           # finished requests say how alike requests are (PriorStrength)
 MAX_PRIOR_WEIGHT = 32.0   # ... and at most this many, however alike they were
 UNLIKE_LLR = math.log(100)   # a request whose own tokens contradict the population's rate this much gets PRIOR_WEIGHT
+EXPLORE_JUDGED = 16.0     # an idle request explores (optimistic posterior draws) until it judged this many
 MIN_FINISHED = 8          # finished requests with drafts before PriorStrength overrides PRIOR_WEIGHT
 REQUEST_DECAY = 0.93      # per judged draft token: a short memory, ~14 tokens (the ablation's "short memory")
 STEADY_DECAY = 0.99       # a request's memory, ~100 tokens (half-life ~70), restarted on a shift
@@ -277,6 +279,8 @@ class SpecController:
         self.steady_decay: float | None = STEADY_DECAY   # None: the short memory alone, no shift detector
         self._rng = random.Random(seed)      # exploration draws (they choose k, never tokens)
         self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
+        self._drawn: set[tuple[str, str]] = set()          # ... of those, the exploration draws
+        self.explore_judged = EXPLORE_JUDGED
 
     # ---- estimates ---------------------------------------------------------------
     def _new_counts(self) -> DecayedCounts:
@@ -312,13 +316,17 @@ class SpecController:
             state = self.states.get(request_id)
             # Only thin evidence is worth a gamble: past PRIOR_WEIGHT judged tokens of its own the
             # estimate is the request's, and probes watch it for shifts.
-            explore = self.explore and state is not None and state.idle and counts.judged < PRIOR_WEIGHT
+            explore = self.explore and state is not None and state.idle and counts.judged < self.explore_judged
             self._rates[key] = counts.draw(prior, weight, self._rng) if explore else counts.rate(prior, weight)
+            if explore:
+                self._drawn.add(key)
         return self._rates[key]
 
     def gains(self, request_id: str, method: str, k: int) -> list[float]:
         """Marginal expected tokens of draft 1..k: a^j, a the planning rate."""
         a = self.planning_rate(request_id, method)
+        if (request_id, method) in self._drawn:
+            k = min(k, 1)   # an exploration draw buys the cheapest evidence: one draft token
         return [a ** j for j in range(1, k + 1)]
 
     # ---- the plan ------------------------------------------------------------------
@@ -333,7 +341,7 @@ class SpecController:
                 {rid: p.method for rid, p in plans.items()}, {rid: lag for rid, _, lag in candidates})
             return plans
         self._probes_left = -(-len(candidates) // PROBES_PER_REQUESTS)
-        self._rates = {}
+        self._rates, self._drawn = {}, set()
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens)
         # Plan as if the pass verifies drafts (its shape costs more than a plain pass of as many
