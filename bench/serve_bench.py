@@ -16,7 +16,8 @@ chunks divided by the tokens the later one carries (a speculative chunk carries 
 --variants chooses our server configurations, by name: `ours` (plain decoding, the engine core in its
 own process with the default threads), `thread` (the engine loop on a thread of the API process),
 `process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation), `fp32` / `int8`
-(plain decoding with `quantization: none` / `int8`; `ours` has the config's, auto by default),
+(plain decoding with `quantization: none` / `int8`; `ours` has the config's, auto by default; `fp32` then
+serves bf16 where the CPU computes it natively),
 `spec-int8`, and `torch-ops` (plain decoding with the fused CPU ops off: SPECSERVE_CPU_KERNELS=0).
 --spec adds `spec`. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
 install it beside them:
@@ -54,7 +55,8 @@ VARIANTS = {   # name -> (extra flags of `specserve serve`, extra environment)
     "active": (["--speculative-config", PLAIN], {"OMP_WAIT_POLICY": "ACTIVE"}),
     "passive": (["--speculative-config", PLAIN], {"OMP_WAIT_POLICY": "PASSIVE"}),
     "spec": ([], {}),
-    "fp32": (["--speculative-config", PLAIN, "--quantization", "none"], {}),   # the dtype's own weights
+    # quantization none: the model's own weights, in the dtype auto then picks (bf16 where native, else fp32)
+    "fp32": (["--speculative-config", PLAIN, "--quantization", "none"], {}),
     "int8": (["--speculative-config", PLAIN, "--quantization", "int8"], {}),
     "torch-ops": (["--speculative-config", PLAIN], {"SPECSERVE_CPU_KERNELS": "0"}),   # no fused CPU ops
     "spec-int8": (["--quantization", "int8"], {}),
@@ -262,8 +264,9 @@ def main(argv=None) -> int:
         for i, name in enumerate(variants):
             servers[name] = launch_ours(name, args.config, args.port + i)
         peers = args.peers.split(",") if args.peers else []
-        if "transformers" in peers:   # in the dtype our engine chose (dtype auto: bf16 where the CPU has it)
-            dtype = httpx.get(next(iter(servers.values())).url + "/health").json()["dtype"]
+        if "transformers" in peers:   # in its fastest dtype here: bf16 where the CPU computes it natively
+            from engine.setup import cpu_native_dtype
+            dtype = str(cpu_native_dtype()).replace("torch.", "")
             servers["transformers"] = launch_transformers(model_dir, args.port + 20, dtype)
         if "llamacpp" in peers:
             launched = launch_llamacpp(args.gguf, args.port + 21)

@@ -183,7 +183,8 @@ def peers(config, spec, questions, args, ours: dict[str, Run], results: dict) ->
     from server.tokenizer import load_tokenizer
     from train.draft_models import hf_model
 
-    torch_dtype = resolve_dtype(config.dtype, load_hf_config(config.model), torch.device("cpu"))   # as we serve
+    # transformers in the dtype we serve, or where we compute in fp32 over bf16 weights, its fastest
+    torch_dtype = resolve_dtype(config.dtype, load_hf_config(config.model), torch.device("cpu"), "none")
     tokenizer = load_tokenizer(config.model)
     target = hf_model(config.model, torch_dtype).eval()
     draft = hf_model(spec.model, torch_dtype).eval()

@@ -6,7 +6,8 @@ import torch
 from helpers import make_tiny_checkpoint
 
 from engine.models import streamed_linear
-from engine.models.streamed_linear import (PREFILL_ROWS, StreamedLinear, check_quantization, dequantize_int8,
+from engine.models.cpu_linear import cpu_has_fast_bf16
+from engine.models.streamed_linear import (NATIVE_BF16_ROWS, PREFILL_ROWS, StreamedLinear, check_quantization, dequantize_int8,
                                            kernel_unavailable_reason, quantize_int8, stream_linears)
 from engine.sampling_params import SamplingParams
 
@@ -14,10 +15,17 @@ pytestmark = pytest.mark.skipif(kernel_unavailable_reason() is not None,
                                 reason=f"streamed-linear kernel: {kernel_unavailable_reason()}")
 
 
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """The kernel for every row count, also where the CPU has native bf16 (there, passes of
+    NATIVE_BF16_ROWS rows and more go through oneDNN's bf16 matmul, which rounds the activations)."""
+    monkeypatch.setattr(streamed_linear, "cpu_has_fast_bf16", lambda: False)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 14, 16, 17, 33, 65, PREFILL_ROWS, PREFILL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
-def test_streamed_linear_matches_torch_on_its_own_weights(fmt, rows, bias):
+def test_streamed_linear_matches_torch_on_its_own_weights(fmt, rows, bias, kernel_only):
     """Every row count (the streamed 4-row tiles and their tails below 14 rows; the register blocks
     of 3 rows x 4 outputs and their tails from 14; the GEMM path past PREFILL_ROWS) and an odd
     output width (its tails, and a 32-output chunk cut short) equal F.linear on the weight the layer
@@ -32,6 +40,40 @@ def test_streamed_linear_matches_torch_on_its_own_weights(fmt, rows, bias):
         batched = layer(x.reshape(1, rows, 96))   # leading dims and a non-contiguous view pass through
         torch.testing.assert_close(batched.reshape(rows, 37), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer(x.t().contiguous().t()), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="the CPU has no native bf16")
+@pytest.mark.parametrize("rows", [1, NATIVE_BF16_ROWS - 1, NATIVE_BF16_ROWS, 33, PREFILL_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_bf16_passes_use_onednn_where_the_cpu_has_native_bf16(rows, bias):
+    """Below NATIVE_BF16_ROWS rows the kernel computes in fp32 (decode and narrow verification);
+    from there oneDNN's bf16 matmul on the packed weight, which is F.linear on the activations
+    rounded to bf16; leading dimensions pass through."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(96, 37, bias=bias)
+    layer = StreamedLinear(linear, "bf16")
+    assert layer.native_rows == NATIVE_BF16_ROWS and layer.packed is not None
+    x = torch.randn(2, rows, 96)
+    exact = torch.nn.functional.linear(x, layer.dense_weight(), linear.bias)
+    rounded = torch.nn.functional.linear(x.bfloat16().float(), layer.dense_weight(), linear.bias)
+    with torch.inference_mode():
+        out = layer(x[0])
+        out_3d = layer(x)
+    assert out.dtype == torch.float32 and out_3d.shape == (2, rows, 37)
+    if rows < NATIVE_BF16_ROWS:
+        torch.testing.assert_close(out, exact[0], rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, rounded[0], rtol=2e-2, atol=2e-2)
+        assert not torch.equal(out, exact[0])   # the activations were rounded: it really took oneDNN's path
+    torch.testing.assert_close(out_3d, rounded, rtol=2e-2, atol=2e-2)
+
+
+def test_native_bf16_path_is_only_for_bf16_weights_on_native_cpus(monkeypatch):
+    linear = torch.nn.Linear(64, 16)
+    monkeypatch.setattr(streamed_linear, "cpu_has_fast_bf16", lambda: False)
+    assert StreamedLinear(linear, "bf16").native_rows is None
+    monkeypatch.setattr(streamed_linear, "cpu_has_fast_bf16", lambda: True)
+    assert StreamedLinear(linear, "int8").native_rows is None
 
 
 @pytest.mark.parametrize("fmt, tolerance", [("bf16", 1e-2), ("int8", 2e-2)])
@@ -104,7 +146,7 @@ PROMPTS = [[5, 9, 200, 17, 33], [40, 41, 42, 43, 44, 45, 46, 47] * 3, [7]]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_engine_on_streamed_weights_decodes_like_a_model_holding_those_weights(pair, fmt, tmp_path):
+def test_engine_on_streamed_weights_decodes_like_a_model_holding_those_weights(pair, fmt, tmp_path, kernel_only):
     """The engine on int8 / bf16 linears gives the greedy tokens of plain fp32 decoding of a
     checkpoint whose weights are the ones the kernel computes with; speculation on top of it
     (draft model and n-gram) stays lossless."""
@@ -177,6 +219,31 @@ def test_quantization_auto_serves_bf16_weights_where_dtype_auto_falls_back_to_fp
     assert setup.resolve_quantization("int8", "float32", fp32, cpu) == "int8"
     monkeypatch.setattr(setup, "kernel_unavailable_reason", lambda: "no compiler")
     assert setup.resolve_quantization("auto", "auto", fp32, cpu) == "none"   # falls back, with a warning
+
+
+def test_dtype_auto_computes_in_fp32_over_bf16_weights_on_cpus(monkeypatch, tmp_path):
+    """dtype auto on a CPU: fp32 over bf16 weights wherever the kernels run (also with native bf16,
+    where the kernel decodes faster than oneDNN's bf16 linear) unless quantization none asks for
+    the model's own weights, or the weights held twice would crowd memory; native bf16 then, where
+    the CPU has it."""
+    from engine import setup
+
+    cpu, fp32, bf16 = torch.device("cpu"), torch.float32, torch.bfloat16
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    monkeypatch.setattr(setup, "_memory_bytes", lambda: 8000)
+    for native in (False, True):
+        monkeypatch.setattr(setup, "cpu_has_fast_bf16", lambda: native)
+        assert setup.resolve_dtype("auto", None, cpu, "auto", str(tmp_path)) == fp32
+        assert setup.resolve_dtype("auto", None, cpu, "bf16", str(tmp_path)) == fp32
+        assert setup.resolve_dtype("auto", None, cpu, "none", str(tmp_path)) == (bf16 if native else fp32)
+        assert setup.resolve_dtype("bfloat16", None, cpu, "auto", str(tmp_path)) == bf16
+    monkeypatch.setattr(setup, "_memory_bytes", lambda: 3999)   # twice the weights past half of it
+    assert setup.resolve_dtype("auto", None, cpu, "auto", str(tmp_path)) == bf16
+    monkeypatch.setattr(setup, "cpu_has_fast_bf16", lambda: False)
+    assert setup.resolve_dtype("auto", None, cpu, "auto", str(tmp_path)) == fp32   # one copy of bf16 weights
+    monkeypatch.setattr(setup, "kernel_unavailable_reason", lambda: "no compiler")
+    monkeypatch.setattr(setup, "cpu_has_fast_bf16", lambda: True)
+    assert setup.resolve_dtype("auto", None, cpu, "auto", str(tmp_path)) == bf16
 
 
 def test_server_option_reaches_the_engine(pair, tmp_path):

@@ -15,6 +15,14 @@ than PREFILL_ROWS rows widen the weight to fp32 for torch's GEMM: from there its
 outweighs writing and reading the fp32 copy (SmolLM2-135M's 30 layers, bf16, 2 threads, AVX2 EPYC:
 128 rows 309 ms a pass in the kernel against 468 widened, 256 rows 564 against 697, 512 rows level).
 
+Where the CPU has native bf16 (AVX512-BF16 / AMX), dtype auto serves the same way (engine/setup.py):
+the kernel decodes one row about twice as fast as oneDNN's bf16 linear there, but from
+NATIVE_BF16_ROWS rows oneDNN's native bf16 matmul wins (SmolLM2-135M's linears, 2 threads, AVX512-BF16
+EPYC: 2 rows 12 ms a pass in the kernel against 22, 8 rows 32 against 24, 33 rows 79 against 34), so
+such passes round the activations to bf16 and use a packed oneDNN copy of the weight, which this
+layer then holds beside its own (twice the weights' memory). Results then depend on a pass's row
+count, as they do in any bf16 engine.
+
 The kernel is one of the engine's C++ CPU kernels (engine/cpu_kernels.py: built on first use,
 needs AVX2 and FMA).
 """
@@ -25,9 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_kernels
+from engine.models.cpu_linear import PACK_HINT_ROWS, cpu_has_fast_bf16
 
 GROUP = 32               # int8 weights per scale
 PREFILL_ROWS = 512       # above this many rows, widen the weight once and use torch's GEMM
+NATIVE_BF16_ROWS = 4     # where the CPU has native bf16: from this many rows, bf16 weights go through
+                         # oneDNN's bf16 matmul (see StreamedLinear.native_rows)
 
 
 def kernel_unavailable_reason() -> str | None:
@@ -64,7 +75,9 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class StreamedLinear(nn.Module):
-    """A linear whose weight is kept in bf16 or int8 and computed in fp32 (see the module's doc)."""
+    """A linear whose weight is kept in bf16 or int8 and computed in fp32 (see the module's doc).
+    native_rows: from this many rows, a bf16 layer on a CPU with native bf16 uses oneDNN's bf16
+    matmul on `packed` instead (None elsewhere)."""
 
     def __init__(self, linear: nn.Linear, fmt: str):
         super().__init__()
@@ -79,18 +92,31 @@ class StreamedLinear(nn.Module):
                 self.weight, self.scales = quantize_int8(weight)
             self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self._kernel = cpu_kernels.extension()
+        self.native_rows, self.packed = None, None
+        if fmt == "bf16" and cpu_has_fast_bf16():
+            self.native_rows = NATIVE_BF16_ROWS
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_HINT_ROWS)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight this linear computes with, in fp32."""
         return self.weight.float() if self.scales is None else dequantize_int8(self.weight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_rows is not None and x.numel() >= self.native_rows * self.in_features:
+            return self._native_bf16(x)
         if x.dtype == torch.float32 and x.dim() == 2 and len(x) <= PREFILL_ROWS and x.is_contiguous():
             return self._streamed(x)   # the decode-step case, without the reshapes below (121 linears a step)
         shape, dtype = x.shape, x.dtype
         rows = x.reshape(-1, self.in_features).float().contiguous()
         out = F.linear(rows, self.dense_weight(), self.bias) if len(rows) > PREFILL_ROWS else self._streamed(rows)
         return out.reshape(*shape[:-1], self.out_features).to(dtype)
+
+    def _native_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's bf16 matmul (activations rounded to bf16, fp32 accumulation), back in x's dtype."""
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "").to(x.dtype)
+        out = out if self.bias is None else out.add_(self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def _streamed(self, rows: torch.Tensor) -> torch.Tensor:
         """The kernel on contiguous fp32 rows [M, K]."""
