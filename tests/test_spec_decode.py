@@ -431,3 +431,23 @@ def test_chi_square_catches_noise_reused_across_positions(small_vocab_pair, monk
     counts, _, probs = run_case(*small_vocab_pair, "seeded-draft-top_p")
     pvalues = position_pvalues(counts, probs)
     assert min(pvalues.values()) < P_MIN, pvalues
+
+
+@pytest.mark.parametrize("ngram_min, ngram_max", [(1, 4), (2, 3), (3, 3)])
+def test_ngram_index_answers_as_a_scan_of_the_context(ngram_min, ngram_max):
+    """The proposer's incremental index finds the same continuation as scanning the whole context
+    (longest suffix first, its latest earlier occurrence with a token after it), as tokens arrive
+    one at a time or several at once."""
+    from engine.spec_decode.ngram import NgramIndex, ngram_lookup
+
+    rng = random.Random(ngram_min * 10 + ngram_max)
+    tokens = [rng.randrange(6) for _ in range(3)]
+    index = NgramIndex(ngram_min, ngram_max)
+    checked = 0
+    while len(tokens) < 400:
+        tokens += [rng.randrange(6) for _ in range(rng.choice([1, 1, 1, 3, 8]))]
+        index.extend(tokens)
+        for k in (1, 4, 9):
+            assert index.lookup(k) == ngram_lookup(np.asarray(tokens), ngram_min, ngram_max, k), (len(tokens), k)
+            checked += bool(index.lookup(k))
+    assert checked > 100   # most contexts of 6 symbols have a match
