@@ -4,7 +4,7 @@ one engine step of each method in turn, see conversations.py), with transformers
 generation and prompt lookup as the peers.
 
     python bench/spec_bench.py [--config configs/smollm2-draft.yaml] [--per-category 3] [--max-tokens 128]
-                               [--concurrency 1 4 16] [--no-peers] [--json results.json]
+                               [--concurrency 1 4 16] [--rounds 1] [--no-peers] [--json results.json]
 
 Questions: ../shared/data/spec_bench/question_dev.jsonl (the development half; the first
 --per-category of each category, by question id). Multi-turn questions run turn by turn, the
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--peer-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="lock-step rounds per concurrency, fresh engines each, pooled (single 15-30 s runs move ~5%%)")
     p.add_argument("--no-peers", dest="peers", action="store_false")
     p.add_argument("--methods", nargs="+", default=None,
                    help="compare only these (none, ngram, draft, eagle, suffix, auto; none always)")
@@ -152,14 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}
     sessions = question_sessions(questions)
     for concurrency in args.concurrency:
-        llms = {name: warm_engine(config, concurrency, speculative) for name, speculative in methods.items()}
-        if concurrency == args.concurrency[0]:
-            cost = verification_cost(llms["none"], spec.gamma)
-            lines.append(f"dtype {str(llms['none'].engine.dtype).replace('torch.', '')}: verifying {spec.gamma + 1} "
-                         f"tokens costs {cost:.2f} decode steps (batch 1)")
-            results["verify_cost"] = cost
-        runs = run_lockstep(llms, sessions, args.max_tokens)
-        del llms
+        runs: dict[str, Run] = {}
+        for round_index in range(args.rounds):   # fresh engines each round: no prefix cache from the last
+            llms = {name: warm_engine(config, concurrency, speculative) for name, speculative in methods.items()}
+            if concurrency == args.concurrency[0] and round_index == 0:
+                cost = verification_cost(llms["none"], spec.gamma)
+                lines.append(f"dtype {str(llms['none'].engine.dtype).replace('torch.', '')}: verifying "
+                             f"{spec.gamma + 1} tokens costs {cost:.2f} decode steps (batch 1)")
+                results["verify_cost"] = cost
+            for name, run in run_lockstep(llms, sessions, args.max_tokens).items():
+                runs.setdefault(name, Run()).merge(run)
+            del llms
         for name, run in runs.items():
             print(f"{name} at concurrency {concurrency}: {run.pooled('tokens')} tokens in {run.wall:.1f} s",
                   file=sys.stderr, flush=True)

@@ -55,3 +55,15 @@ def test_a_later_turn_sees_the_earlier_answer(llms):
                {"role": "assistant", "content": llm.tokenizer.decode(first, skip_special_tokens=True)},
                {"role": "user", "content": "and then?"}]
     assert submitted == [chat_ids(llm.tokenizer, history)]
+
+
+def test_rounds_pool_into_one_run(llms):
+    """spec_bench --rounds: each round's totals add up; the answers are the first round's."""
+    first = run_lockstep(llms, SESSIONS, max_tokens=8)["plain"]
+    second = run_lockstep(llms, SESSIONS, max_tokens=8)["plain"]
+    tokens, wall, answers = first.pooled("tokens"), first.wall, dict(first.answers)
+    first.merge(second)
+    assert first.pooled("tokens") == tokens + second.pooled("tokens")
+    assert first.wall == pytest.approx(wall + second.wall)
+    assert first.pooled("seconds") == pytest.approx(first.wall)
+    assert first.answers == answers
