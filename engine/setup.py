@@ -87,10 +87,13 @@ def _bf16_weights_in_fp32(quantization: str, model_path: str | None) -> bool:
     (StreamedLinear.native_rows): the default target measured 2.2x at batch 1 and 1.2-1.3x at
     batch 4-16 over native bf16 on an AVX512-BF16 EPYC. There the weights are held twice (the
     kernel's layout and oneDNN's packed one), so a model whose files take more than a quarter of
-    memory keeps native bf16."""
-    if quantization not in ("auto", "bf16") or kernel_unavailable_reason():
+    memory keeps native bf16. int8 weights have no second copy; quantization none asks for the
+    model's own weights, which the CPU then computes in its native dtype."""
+    if quantization == "none" or kernel_unavailable_reason():
         return False
-    return not cpu_has_fast_bf16() or _weight_bytes(model_path) * 4 <= _memory_bytes()
+    if quantization == "int8" or not cpu_has_fast_bf16():
+        return True
+    return _weight_bytes(model_path) * 4 <= _memory_bytes()
 
 
 def _weight_bytes(model_path: str | None) -> int:

@@ -235,10 +235,12 @@ def test_dtype_auto_computes_in_fp32_over_bf16_weights_on_cpus(monkeypatch, tmp_
         monkeypatch.setattr(setup, "cpu_has_fast_bf16", lambda: native)
         assert setup.resolve_dtype("auto", None, cpu, "auto", str(tmp_path)) == fp32
         assert setup.resolve_dtype("auto", None, cpu, "bf16", str(tmp_path)) == fp32
+        assert setup.resolve_dtype("auto", None, cpu, "int8", str(tmp_path)) == fp32
         assert setup.resolve_dtype("auto", None, cpu, "none", str(tmp_path)) == (bf16 if native else fp32)
         assert setup.resolve_dtype("bfloat16", None, cpu, "auto", str(tmp_path)) == bf16
     monkeypatch.setattr(setup, "_memory_bytes", lambda: 3999)   # twice the weights past half of it
     assert setup.resolve_dtype("auto", None, cpu, "auto", str(tmp_path)) == bf16
+    assert setup.resolve_dtype("auto", None, cpu, "int8", str(tmp_path)) == fp32   # no packed copy
     monkeypatch.setattr(setup, "cpu_has_fast_bf16", lambda: False)
     assert setup.resolve_dtype("auto", None, cpu, "auto", str(tmp_path)) == fp32   # one copy of bf16 weights
     monkeypatch.setattr(setup, "kernel_unavailable_reason", lambda: "no compiler")
