@@ -1,8 +1,10 @@
 """The engine's C++ CPU kernels (engine/csrc), built on first use.
 
-Two families, one extension:
+Three families, one extension:
   streamed_linear.cpp  weight-only bf16 / int8 linears computed in fp32 (`quantization`,
                        engine/models/streamed_linear.py);
+  bf16_dot_linear.cpp  bf16 linears on AVX512-BF16 dot products, where the CPU has them (compiled for
+                       it with function attributes, called only after a runtime check);
   decode_ops.cpp       a decoder layer's small ops fused in fp32: add + RMSNorm, silu * up, and RoPE +
                        cache write + paged attention for decode and verification rows (the layers in
                        engine/models/llama.py and engine/attention.py call them where `fused_ops` says so).
@@ -23,7 +25,8 @@ import torch
 
 logger = logging.getLogger("specserve.engine")
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "streamed_linear.cpp", "decode_ops.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "streamed_linear.cpp", "bf16_dot_linear.cpp",
+                                                                       "decode_ops.cpp")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,7 +49,7 @@ def extension():
 
     verbose = os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1"
     logger.info("loading the CPU kernels (built on first use, about two minutes)")
-    return load("specserve_cpu_kernels", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+    return load("specserve_cpu_kernels", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-Wno-psabi"],
                 extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCES[0].parent)], verbose=verbose)
 
 

@@ -7,8 +7,8 @@ from helpers import make_tiny_checkpoint
 
 from engine.models import streamed_linear
 from engine.models.cpu_linear import cpu_has_fast_bf16
-from engine.models.streamed_linear import (NATIVE_BF16_ROWS, PREFILL_ROWS, StreamedLinear, check_quantization, dequantize_int8,
-                                           kernel_unavailable_reason, quantize_int8, stream_linears)
+from engine.models.streamed_linear import (BLOCKED_ROWS, NATIVE_BF16_ROWS, PREFILL_ROWS, StreamedLinear, check_quantization,
+                                           dequantize_int8, kernel_unavailable_reason, quantize_int8, stream_linears)
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(kernel_unavailable_reason() is not None,
@@ -66,6 +66,49 @@ def test_wide_bf16_passes_use_onednn_where_the_cpu_has_native_bf16(rows, bias):
         torch.testing.assert_close(out, rounded[0], rtol=2e-2, atol=2e-2)
         assert not torch.equal(out, exact[0])   # the activations were rounded: it really took oneDNN's path
     torch.testing.assert_close(out_3d, rounded, rtol=2e-2, atol=2e-2)
+
+
+def _has_avx512_bf16() -> bool:
+    return kernel_unavailable_reason() is None and cpu_has_fast_bf16() and streamed_linear.cpu_kernels.extension().has_avx512_bf16()
+
+
+@pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 13, BLOCKED_ROWS - 1, BLOCKED_ROWS, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_narrow_bf16_passes_use_dot_products_where_the_cpu_has_avx512_bf16(rows, bias):
+    """Below BLOCKED_ROWS rows: the blocked copy and bf16 dot products, which is F.linear on the
+    activations rounded to bf16 (bf16 products are exact in fp32; only the order of the sums
+    differs), and each row's result is bit for bit the one it gets alone (a verification row equals
+    the decode row). From BLOCKED_ROWS: oneDNN's bf16 matmul (its output rounded to bf16). The layer keeps no row-major copy."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(2 * 96, 40, bias=bias)
+    layer = StreamedLinear(linear, "bf16")
+    assert layer.blocks is not None and layer.weight is None and layer.native_rows == BLOCKED_ROWS
+    assert torch.equal(layer.dense_weight(), linear.weight.detach().bfloat16().float())
+    x = torch.randn(rows, 2 * 96)
+    rounded = torch.nn.functional.linear(x.bfloat16().float(), layer.dense_weight(), linear.bias)
+    with torch.inference_mode():
+        out = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+        out_3d = layer(x.reshape(1, rows, -1))
+    tolerance = 2e-5 if rows < BLOCKED_ROWS else 2e-2   # oneDNN's output is bf16
+    torch.testing.assert_close(out, rounded, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out_3d.reshape(rows, 40), rounded, rtol=tolerance, atol=tolerance)
+    if rows < BLOCKED_ROWS:
+        assert torch.equal(out, alone)
+
+
+@pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512-BF16")
+def test_bf16_blocks_round_trip_and_check_their_shapes():
+    kernel = streamed_linear.cpu_kernels.extension()
+    weight = torch.randn(12, 64).bfloat16()
+    blocks = kernel.pack_bf16_blocks(weight)
+    assert blocks.shape == weight.shape and not torch.equal(blocks, weight)
+    assert torch.equal(kernel.unpack_bf16_blocks(blocks), weight)
+    with pytest.raises(RuntimeError, match="N % 4 == 0 and K % 32 == 0"):
+        kernel.pack_bf16_blocks(torch.randn(10, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="x: contiguous fp32"):
+        kernel.linear_bf16_blocks(torch.randn(2, 64).bfloat16(), blocks, None)
 
 
 def test_native_bf16_path_is_only_for_bf16_weights_on_native_cpus(monkeypatch):

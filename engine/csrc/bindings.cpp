@@ -4,6 +4,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace specserve;
   m.def("linear_bf16", &linear_bf16, "x fp32 [M, K] @ bf16 [N, K]^T (+ bias)");
   m.def("linear_int8", &linear_int8, "x fp32 [M, K] @ (int8 [N, K] * scales per 32)^T (+ bias)");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs linear_bf16_blocks");
+  m.def("pack_bf16_blocks", &pack_bf16_blocks, "bf16 [N, K] -> the blocked layout of linear_bf16_blocks");
+  m.def("unpack_bf16_blocks", &unpack_bf16_blocks, "the blocked layout -> bf16 [N, K]");
+  m.def("linear_bf16_blocks", &linear_bf16_blocks, "bf16(x fp32 [M, K]) @ bf16 blocks^T (+ bias), fp32 sums");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual) * weight, x + residual), fp32 [T, H]");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up fp32 [T, 2I] -> [T, I]");
   m.def("rope_paged_attention", &rope_paged_attention,

@@ -11,6 +11,13 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& bias);
 
+// bf16_dot_linear.cpp: bf16 linears on AVX512-BF16 dot products over a blocked copy of the weight.
+bool has_avx512_bf16();
+torch::Tensor pack_bf16_blocks(const torch::Tensor& w);
+torch::Tensor unpack_bf16_blocks(const torch::Tensor& blocks);
+torch::Tensor linear_bf16_blocks(const torch::Tensor& x, const torch::Tensor& blocks,
+                                 const c10::optional<torch::Tensor>& bias);
+
 // decode_ops.cpp: a decoder layer's small ops, fused, in fp32.
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
                                         const torch::Tensor& weight, double eps);

@@ -15,13 +15,18 @@ than PREFILL_ROWS rows widen the weight to fp32 for torch's GEMM: from there its
 outweighs writing and reading the fp32 copy (SmolLM2-135M's 30 layers, bf16, 2 threads, AVX2 EPYC:
 128 rows 309 ms a pass in the kernel against 468 widened, 256 rows 564 against 697, 512 rows level).
 
-Where the CPU has native bf16 (AVX512-BF16 / AMX), dtype auto serves the same way (engine/setup.py):
-the kernel decodes one row about twice as fast as oneDNN's bf16 linear there, but from
-NATIVE_BF16_ROWS rows oneDNN's native bf16 matmul wins (SmolLM2-135M's linears, 2 threads, AVX512-BF16
-EPYC: 2 rows 12 ms a pass in the kernel against 22, 8 rows 32 against 24, 33 rows 79 against 34), so
-such passes round the activations to bf16 and use a packed oneDNN copy of the weight, which this
-layer then holds beside its own (twice the weights' memory). Results then depend on a pass's row
-count, as they do in any bf16 engine.
+Where the CPU has native bf16 (AVX512-BF16 / AMX), dtype auto serves the same way (engine/setup.py),
+with two changes. Passes of fewer than BLOCKED_ROWS rows (decode, verification, small batches) go
+through `engine/csrc/bf16_dot_linear.cpp` on a blocked copy of the weight: activations rounded to
+bf16, AVX512-BF16 dot products summed in fp32, a row's result independent of the other rows in its
+pass (SmolLM2-135M's linears, 2 threads, AVX512-BF16 EPYC, ms a pass at 1 / 4 / 8 rows: 10.7 / 10.1
+/ 13.1, against 10.4 / 21.2 / 29.1 for the fp32 kernel here and 16.2 / 17.7 / 17.9 for oneDNN's bf16
+matmul). Wider passes (prefill chunks, big batches: 33 rows 36 ms in oneDNN against 42 blocked) round
+the activations to bf16 and use oneDNN's matmul on a packed copy. The layer holds those two copies
+and not the row-major one (twice the weights' memory). Where the CPU has native bf16 through oneDNN
+but the kernel cannot use AVX512-BF16, the fp32 kernel keeps passes below NATIVE_BF16_ROWS and the
+row-major copy. Results then depend on whether a pass is narrower than the threshold, as they do in
+any bf16 engine.
 
 The kernel is one of the engine's C++ CPU kernels (engine/cpu_kernels.py: built on first use,
 needs AVX2 and FMA).
@@ -38,7 +43,9 @@ from engine.models.cpu_linear import PACK_HINT_ROWS, cpu_has_fast_bf16
 GROUP = 32               # int8 weights per scale
 PREFILL_ROWS = 512       # above this many rows, widen the weight once and use torch's GEMM
 NATIVE_BF16_ROWS = 4     # where the CPU has native bf16: from this many rows, bf16 weights go through
-                         # oneDNN's bf16 matmul (see StreamedLinear.native_rows)
+                         # oneDNN's bf16 matmul (see StreamedLinear.native_rows) ...
+BLOCKED_ROWS = 16        # ... or, where the kernel has AVX512-BF16, from this many (fewer: bf16_dot_linear.cpp)
+BLOCK_OUTPUTS = 4        # the blocked layout groups this many outputs
 
 
 def kernel_unavailable_reason() -> str | None:
@@ -77,7 +84,8 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class StreamedLinear(nn.Module):
     """A linear whose weight is kept in bf16 or int8 and computed in fp32 (see the module's doc).
     native_rows: from this many rows, a bf16 layer on a CPU with native bf16 uses oneDNN's bf16
-    matmul on `packed` instead (None elsewhere)."""
+    matmul on `packed` instead (None elsewhere); `blocks`, where the kernel has AVX512-BF16, serves
+    the narrower passes (and `weight` is then None)."""
 
     def __init__(self, linear: nn.Linear, fmt: str):
         super().__init__()
@@ -92,18 +100,25 @@ class StreamedLinear(nn.Module):
                 self.weight, self.scales = quantize_int8(weight)
             self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self._kernel = cpu_kernels.extension()
-        self.native_rows, self.packed = None, None
+        self.native_rows, self.packed, self.blocks = None, None, None
         if fmt == "bf16" and cpu_has_fast_bf16():
             self.native_rows = NATIVE_BF16_ROWS
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_HINT_ROWS)
+            if self._kernel.has_avx512_bf16() and self.out_features % BLOCK_OUTPUTS == 0:
+                self.native_rows = BLOCKED_ROWS
+                self.blocks, self.weight = self._kernel.pack_bf16_blocks(self.weight), None
 
     def dense_weight(self) -> torch.Tensor:
         """The weight this linear computes with, in fp32."""
+        if self.blocks is not None:
+            return self._kernel.unpack_bf16_blocks(self.blocks).float()
         return self.weight.float() if self.scales is None else dequantize_int8(self.weight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_rows is not None and x.numel() >= self.native_rows * self.in_features:
             return self._native_bf16(x)
+        if self.blocks is not None:
+            return self._blocked(x)
         if x.dtype == torch.float32 and x.dim() == 2 and len(x) <= PREFILL_ROWS and x.is_contiguous():
             return self._streamed(x)   # the decode-step case, without the reshapes below (121 linears a step)
         shape, dtype = x.shape, x.dtype
@@ -117,6 +132,14 @@ class StreamedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "").to(x.dtype)
         out = out if self.bias is None else out.add_(self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _blocked(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16_dot_linear.cpp (activations rounded to bf16, fp32 sums), back in x's dtype."""
+        if x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            return self._kernel.linear_bf16_blocks(x, self.blocks, self.bias)
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = self._kernel.linear_bf16_blocks(rows, self.blocks, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def _streamed(self, rows: torch.Tensor) -> torch.Tensor:
         """The kernel on contiguous fp32 rows [M, K]."""
