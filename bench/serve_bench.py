@@ -5,7 +5,8 @@ Every server gets the same streamed chat requests: the Spec-Bench development qu
 turns), greedy, max_tokens 128 (with ignore_eos for ours; transformers serve rejects the field and
 stops at EOS, so tokens/s counts the tokens each server returned, from its usage, and the table
 shows tokens per request). At each concurrency every server runs in turn, the
-order alternating between levels. Printed in one run, per server and concurrency: output tokens/s,
+order alternating between levels; with --rounds N every server runs N times per level, the order rotating,
+and the rounds are pooled. Printed in one run, per server and concurrency: output tokens/s,
 TTFT and ITL (median and p99), and ratios to the peer and to the offline engine (LLM.generate over
 the same prompts with max_num_seqs = concurrency). ITL is per token: the gap between two streamed
 chunks divided by the tokens the later one carries (a speculative chunk carries several).
@@ -73,6 +74,10 @@ class Result:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    def merge(self, other: "Result") -> "Result":
+        return Result(self.tokens + other.tokens, self.seconds + other.seconds, self.ttft + other.ttft,
+                      self.itl + other.itl)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -216,9 +221,12 @@ def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: 
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
-def level_prompts(questions: list[str], concurrency: int, requests: int) -> list[str]:
-    """The prompts of one concurrency level: `requests` of them, or max(8, 2 x concurrency)."""
-    return [questions[i % len(questions)] for i in range(requests or max(8, 2 * concurrency))]
+def level_prompts(questions: list[str], concurrency: int, requests: int, round_index: int = 0) -> list[str]:
+    """The prompts of one concurrency level and round: `requests` of them, or max(8, 2 x concurrency),
+    each round the next ones (a repeated prompt would be served from the prefix cache, and suffix
+    drafting would replay its earlier answer)."""
+    count = requests or max(8, 2 * concurrency)
+    return [questions[(round_index * count + i) % len(questions)] for i in range(count)]
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -245,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--requests", type=int, default=0, help="requests per level (default: max(8, 2 x concurrency))")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="drive every server this many times per level, the order rotating each round, and pool the "
+                        "rounds: short turns see the same machine (runs of ~30 s in turn moved by 15%% on a shared VM)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--variants", default="ours", help=f"our server configurations: {', '.join(VARIANTS)}")
     p.add_argument("--spec", action="store_true", help="also our server with the config's own speculation")
@@ -276,10 +287,14 @@ def main(argv=None) -> int:
             asyncio.run(drive(server, all_questions[:1], 1, 8))
         results: dict[int, dict[str, Result]] = {}
         for level_index, c in enumerate(levels):
-            prompts = level_prompts(all_questions, c, args.requests)
             order = list(servers) if level_index % 2 == 0 else list(reversed(servers))
-            results[c] = {name: asyncio.run(drive(servers[name], prompts, c, args.max_tokens)) for name in order}
-            results[c] = {name: results[c][name] for name in servers}
+            pooled = {name: Result() for name in servers}
+            for round_index in range(args.rounds):   # each round its own prompts: no server answers one twice
+                prompts = level_prompts(all_questions, c, args.requests, round_index)
+                for name in order:
+                    pooled[name] = pooled[name].merge(asyncio.run(drive(servers[name], prompts, c, args.max_tokens)))
+                order = order[1:] + order[:1]
+            results[c] = pooled
             print(f"concurrency {c}: " + ", ".join(f"{k} {v.tok_s:.1f} tok/s" for k, v in results[c].items()),
                   flush=True)
     finally:

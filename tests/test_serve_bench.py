@@ -1,0 +1,23 @@
+"""bench/serve_bench.py's pooling of rounds (the servers themselves are benchmarked, not tested, here)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from serve_bench import Result  # noqa: E402
+
+
+def test_rounds_pool_tokens_time_and_latencies():
+    first, second = Result(100, 2.0, [0.1], [0.01, 0.02]), Result(300, 2.0, [0.3], [0.03])
+    pooled = Result().merge(first).merge(second)
+    assert (pooled.tokens, pooled.seconds) == (400, 4.0)
+    assert pooled.tok_s == 100.0   # tokens over total time, not the mean of the rounds' rates (125)
+    assert pooled.ttft == [0.1, 0.3] and pooled.itl == [0.01, 0.02, 0.03]
+    assert first.tokens == 100 and first.itl == [0.01, 0.02]   # merging leaves the rounds as they were
+
+
+def test_each_round_gets_its_own_prompts():
+    from serve_bench import level_prompts
+    questions = [f"q{i}" for i in range(10)]
+    assert level_prompts(questions, 1, 3) == ["q0", "q1", "q2"]
+    assert level_prompts(questions, 1, 3, round_index=1) == ["q3", "q4", "q5"]
+    assert level_prompts(questions, 4, 0) == [f"q{i}" for i in range(8)]   # default: max(8, 2 x concurrency)
