@@ -217,6 +217,24 @@ def test_engine_on_streamed_weights_decodes_like_a_model_holding_those_weights(p
         "method": "ngram", "num_speculative_tokens": 3}) == reference
 
 
+@pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512-BF16")
+def test_speculation_on_bf16_dot_products_decodes_exactly_like_plain_decoding(pair):
+    """On the AVX512-BF16 path a row's result does not depend on its pass (below BLOCKED_ROWS rows),
+    so greedy speculation gives plain decoding's tokens exactly, although activations are rounded
+    to bf16: three requests verifying up to 3 drafts each stay below 16 rows."""
+    from engine.llm import LLM
+
+    target, draft = pair
+    llm = LLM(target, dtype="float32", quantization="bf16", skip_tokenizer_init=True)
+    layers = [m for m in llm.engine.target.model.modules() if isinstance(m, StreamedLinear)]
+    assert layers and all(m.blocks is not None for m in layers)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reference = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    for speculative in ({"method": "draft", "model": draft, "num_speculative_tokens": 3},
+                        {"method": "ngram", "num_speculative_tokens": 3}):
+        assert _greedy(target, PROMPTS, quantization="bf16", speculative=speculative) == reference
+
+
 def _hf_state(path: str, replaced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint at `path` with the fused linears' rows (qkv, gate_up) replaced from `replaced`."""
     from safetensors.torch import load_file
