@@ -170,6 +170,31 @@ def test_kernel_rows_do_not_depend_on_the_pass():
 
 
 @needs_kernels
+@pytest.mark.parametrize("q_len", [2, 5, 9])
+def test_kernel_rows_equal_decode_rows_at_every_position(q_len):
+    """Every row of a verification pass equals, bit for bit, the decode row at its position, wherever
+    the pass starts relative to the 64-key chunks and the 8-key groups (a row once summed the later
+    rows' masked keys into its chunk, and a chunk's last keys were reduced unlike the others: rows
+    diverged at some positions, and greedy speculation drifted from plain decoding late in answers)."""
+    rng = np.random.default_rng(2)
+    table = make_tables([300], ["scattered"], rng)[0]
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, NUM_BLOCKS + 200, BLOCK_SIZE, 3, HEAD_DIM, generator=g)
+    qk, value = torch.randn(q_len, 12, HEAD_DIM, generator=g), torch.randn(q_len, 3, HEAD_DIM, generator=g)
+    cos, sin = torch.rand(q_len, 1, HEAD_DIM, generator=g), torch.rand(q_len, 1, HEAD_DIM, generator=g)
+
+    def run(seq_len, rows, layer_cache):
+        meta = AttentionMetadata.build([len(rows)], [seq_len], [table], BLOCK_SIZE, CPU, kernel=True)
+        return rope_paged_attention(qk[rows], value[rows], cos[rows], sin[rows], layer_cache, meta, 9, 0.125)
+
+    for first in range(118, 131):   # the pass's last keys before, across and after a chunk boundary (128)
+        written = cache.clone()
+        verification = run(first + q_len, list(range(q_len)), written)
+        for i in range(q_len):
+            assert torch.equal(run(first + i + 1, [i], written.clone())[0], verification[i]), (first, i)
+
+
+@needs_kernels
 def test_kernel_rope_matches_apply_rope():
     """Real cos / sin: the kernel rotates queries and keys as apply_rope does (one sequence, keys and
     queries checked through the cache and the output of a one-key attention)."""

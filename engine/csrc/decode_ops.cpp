@@ -12,8 +12,11 @@
 //                         lie (no gather), the query heads sharing a KV head together
 //
 // The attention is flash-style: keys in chunks of CHUNK, a running max and sum per query row, so
-// memory stays small at any context. A row's result does not depend on the other rows of the pass
-// (chunks start at fixed key offsets), so verification rows match decode rows bit for bit.
+// memory stays small at any context. A row's result does not depend on the other rows of the pass,
+// so verification rows match decode rows bit for bit: chunks start at fixed key offsets, a row
+// reads only the keys up to its own position (a pass's later keys would move where the vector loops
+// end and the scalar tails begin, and so the order of the sums), and every key's score is reduced
+// the same way, in a group of eight or in the chunk's tail.
 // Needs AVX2 + FMA; head_dim a multiple of 16 (checked by the Python side, which keeps torch's path
 // otherwise).
 #include <ATen/Parallel.h>
@@ -57,22 +60,21 @@ inline void rope(const float* x, const float* cos, const float* sin_signed, floa
   }
 }
 
-// scores[j] = q . keys[j] for n <= CHUNK keys, eight at a time.
+// scores[j] = q . keys[j] for 0 < n <= CHUNK keys, eight at a time; a last group of fewer repeats its
+// last key and keeps only its own lanes, so that every score is reduced the same way.
 inline void dot_keys(const float* q, const float* const* keys, int64_t n, int64_t D, float* scores) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
+  for (int64_t j = 0; j < n; j += 8) {
+    const float* group[8];
+    for (int i = 0; i < 8; ++i) group[i] = keys[std::min(j + i, n - 1)];
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 qd = _mm256_loadu_ps(q + d);
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[j + i] + d), acc[i]);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(group[i] + d), acc[i]);
     }
-    _mm256_storeu_ps(scores + j, hsum8(acc));
-  }
-  for (; j < n; ++j) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(keys[j] + d), acc);
-    scores[j] = hsum(acc);
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, hsum8(acc));
+    for (int64_t i = 0; i < std::min<int64_t>(8, n - j); ++i) scores[j + i] = sums[i];
   }
 }
 
@@ -137,11 +139,11 @@ void attend(const PagedCache& cache, const float* queries, float* out, const int
       const int64_t i = r / group, position = first_pos + i;
       if (c0 > position) continue;   // the whole chunk lies after this query
       const float* q = queries + ((q_begin + i) * num_heads + head * group + r % group) * D;
-      dot_keys(q, keys, n, D, scores.data());
-      for (int64_t j = std::max<int64_t>(0, position + 1 - c0); j < n; ++j) scores[j] = NEG_INF;
+      const int64_t visible = std::min<int64_t>(n, position + 1 - c0);   // keys up to its own position
+      dot_keys(q, keys, visible, D, scores.data());
       if (window > 0)
-        for (int64_t j = 0; j < std::min<int64_t>(n, position - window + 1 - c0); ++j) scores[j] = NEG_INF;
-      absorb(scores.data(), n, values, D, acc.data() + r * D, max[r], sum[r]);
+        for (int64_t j = 0; j < std::min<int64_t>(visible, position - window + 1 - c0); ++j) scores[j] = NEG_INF;
+      absorb(scores.data(), visible, values, D, acc.data() + r * D, max[r], sum[r]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
