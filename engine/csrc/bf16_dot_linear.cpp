@@ -91,11 +91,14 @@ AVX512_BF16 void to_bf16(const float* x, uint16_t* out, int64_t n) {
 
 namespace specserve {
 
-bool has_avx512_bf16() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
+bool has_avx512_bf16() {   // asked once: linear_bf16_blocks checks it on every call
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bf16");
+  }();
+  return supported;
 }
 
 torch::Tensor pack_bf16_blocks(const torch::Tensor& w) {

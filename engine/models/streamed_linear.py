@@ -117,8 +117,6 @@ class StreamedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_rows is not None and x.numel() >= self.native_rows * self.in_features:
             return self._native_bf16(x)
-        if self.blocks is not None:
-            return self._blocked(x)
         if x.dtype == torch.float32 and x.dim() == 2 and len(x) <= PREFILL_ROWS and x.is_contiguous():
             return self._streamed(x)   # the decode-step case, without the reshapes below (121 linears a step)
         shape, dtype = x.shape, x.dtype
@@ -133,16 +131,11 @@ class StreamedLinear(nn.Module):
         out = out if self.bias is None else out.add_(self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _blocked(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16_dot_linear.cpp (activations rounded to bf16, fp32 sums), back in x's dtype."""
-        if x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
-            return self._kernel.linear_bf16_blocks(x, self.blocks, self.bias)
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = self._kernel.linear_bf16_blocks(rows, self.blocks, self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
     def _streamed(self, rows: torch.Tensor) -> torch.Tensor:
-        """The kernel on contiguous fp32 rows [M, K]."""
+        """The kernel on contiguous fp32 rows [M, K]: bf16_dot_linear.cpp on the blocked copy (activations
+        rounded to bf16; passes of native_rows or more never get here), else streamed_linear.cpp."""
+        if self.blocks is not None:
+            return self._kernel.linear_bf16_blocks(rows, self.blocks, self.bias)
         if self.scales is None:
             return self._kernel.linear_bf16(rows, self.weight, self.bias)
         return self._kernel.linear_int8(rows, self.weight, self.scales, self.bias)
