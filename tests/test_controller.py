@@ -8,7 +8,8 @@ import random
 import pytest
 
 from engine import SamplingParams
-from engine.spec_decode.controller import GLOBAL_DECAY, DecayedCounts, SpecController
+from engine.spec_decode.controller import SpecController
+from engine.spec_decode.estimates import GLOBAL_DECAY, DecayedCounts
 from engine.step_timer import StepCostModel
 
 MAX_K = 8
@@ -156,7 +157,7 @@ def test_the_prior_weighs_as_much_as_requests_are_alike():
     """Empirical Bayes over finished requests: forty requests that all accept at 0.5 differ only by
     the binomial noise of their 40 judged tokens, so the engine-wide rate is worth many
     pseudo-tokens; requests at 0.1 and 0.9 differ for real, so it is worth few."""
-    from engine.spec_decode.controller import MAX_PRIOR_WEIGHT, PRIOR_WEIGHT
+    from engine.spec_decode.estimates import MAX_PRIOR_WEIGHT, PRIOR_WEIGHT
     alike = SpecController(["draft"], MAX_K, costs(0.0005))
     assert alike.prior_weight("draft") == PRIOR_WEIGHT   # no finished requests yet
     finished_requests(alike, [0.5] * 40)
@@ -410,7 +411,8 @@ def test_no_lone_deep_draft_positions():
     """A draft model runs one forward per draft position, whatever its rows: a position reached by
     one request with a high estimate costs a whole forward. The plan keeps its deepest position only
     when the exact step time says it pays."""
-    from engine.spec_decode.controller import DecayedCounts, REQUEST_DECAY, RequestSpecState
+    from engine.spec_decode.controller import RequestSpecState
+    from engine.spec_decode.estimates import REQUEST_DECAY, DecayedCounts
     model = costs(0.0002, draft_forward=0.006)
     controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.7})
     rids = [f"r{i}" for i in range(8)]
@@ -437,7 +439,7 @@ def test_the_steady_memory_is_steadier_and_still_follows_a_shift():
     few tokens for some steps), and its shift detector rarely fires; after a drop to 0.2
     the estimate is below 0.5 within 8 judged tokens, and after a rise to 0.9 (judged one by one, as
     probes are) above 0.7 within 10."""
-    from engine.spec_decode.controller import REQUEST_DECAY, STEADY_DECAY
+    from engine.spec_decode.estimates import REQUEST_DECAY, STEADY_DECAY
     rng = random.Random(3)
     counts, short = DecayedCounts(STEADY_DECAY, watch=True), DecayedCounts(REQUEST_DECAY)
     steady_rates, short_rates, restarts = [], [], 0
@@ -473,7 +475,7 @@ def test_the_shift_detector_fires_on_a_shift_and_not_on_chance():
     """Bernoulli CUSUM: over 10,000 judged tokens at a steady rate it raises few false alarms at
     every rate; a change from 0.9 to 0.1, or from 0.2 to 0.9, shows within a few tokens, and what
     it returns is the evidence since the change."""
-    from engine.spec_decode.controller import ShiftDetector
+    from engine.spec_decode.estimates import ShiftDetector
     rng = random.Random(5)
     for rate in (0.1, 0.3, 0.6, 0.9):
         detector, alarms = ShiftDetector(), 0

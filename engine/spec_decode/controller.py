@@ -6,10 +6,10 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   the request's acceptance rate per judged draft token with m: counts that forget per judged token
   (a step that judged eight drafts does not outweigh eight steps that judged one), shrunk towards
   the engine-wide rate of m by as many pseudo-tokens as finished requests show requests to be alike
-  (PriorStrength: many when they all accept at one rate, few when they differ). The memory is ~100 tokens long, and a change-point test (a two-sided
-  CUSUM) restarts it from the tokens since a shift, so a shift in the workload shows within a few
-  steps. One rate for every position: when acceptance collapses, it collapses at every position
-  at once.
+  (PriorStrength: many when they all accept at one rate, few when they differ). The memory is
+  ~100 tokens long, and a change-point test (a two-sided CUSUM) restarts it from the tokens since a
+  shift, so a shift in the workload shows within a few steps (all in estimates.py). One rate for
+  every position: when acceptance collapses, it collapses at every position at once.
 - Step time is StepCostModel.step_time: the target pass as a function of its tokens, plus every
   draft-model forward as a function of its rows, plus the tokens the draft has not seen yet, which
   its first forward catches up on, scaled by what whole drafting steps measured against their
@@ -45,25 +45,15 @@ Bookkeeping only: no tensors here.
 """
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+from engine.spec_decode.estimates import (GLOBAL_DECAY, PRIOR_WEIGHT, REQUEST_DECAY, STEADY_DECAY, DecayedCounts,
+                                          PriorStrength, judged_tokens, unlike)
 from engine.step_timer import StepCostModel
 
-PRIOR_WEIGHT = 4.0        # pseudo-observations of the engine-wide rate behind a request's estimate, until
-                          # finished requests say how alike requests are (PriorStrength)
-MAX_PRIOR_WEIGHT = 32.0   # ... and at most this many, however alike they were
-UNLIKE_LLR = math.log(100)   # a request whose own tokens contradict the population's rate this much gets PRIOR_WEIGHT
 EXPLORE_JUDGED = 16.0     # an idle request explores (optimistic posterior draws) until it judged this many
-MIN_FINISHED = 8          # finished requests with drafts before PriorStrength overrides PRIOR_WEIGHT
-REQUEST_DECAY = 0.93      # per judged draft token: a short memory, ~14 tokens (the ablation's "short memory")
-STEADY_DECAY = 0.99       # a request's memory, ~100 tokens (half-life ~70), restarted on a shift
-SHIFT_RATIO = 0.5         # the shift detector looks for the rejection rate (up) or the acceptance rate (down) halved
-SHIFT_LLR = math.log(300) # log-likelihood ratio that makes a shift (a fall from 0.9 to 0.1: ~4 rejections)
-MIN_JUDGED_FOR_SHIFTS = 4.0   # judged tokens before the memory's rate is worth testing against
-GLOBAL_DECAY = 0.995      # per judged draft token (of any request): the engine-wide rate, half-life ~140
 EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
 MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is capped at this many plain steps
@@ -114,138 +104,6 @@ class ProbePrices:
 def _add_credit(state: "RequestSpecState", seconds: float, plain_token: float) -> None:
     """Move a request's exploration credit, saved up to at most MAX_CREDIT_STEPS plain steps."""
     state.credit = min((state.credit or 0.0) + seconds, MAX_CREDIT_STEPS * plain_token)
-
-
-class ShiftDetector:
-    """Two-sided Bernoulli CUSUM over a request's judged draft tokens, against its current estimate
-    p0: one score for a rise (the rejection rate 1 - p0 halved), one for a fall (p0 halved), each summing
-    the log-likelihood ratio of every judged token and floored at zero. A score past SHIFT_LLR says
-    the rate changed where that score last left zero; observe then returns the (judged, accepted)
-    tokens since then, the evidence of the new rate.
-
-    It replaced a test between a short (~14-token) and the steady memory: the short memory still
-    held the old tokens, so after acceptance came back from 0.1 to 0.9 twelve accepted probes in a
-    row (0.34^12 ~ 2e-6 under the old rate) did not count as a shift, and the plan took 21 steps to
-    draft 3 deep again. Here about eight accepted probes restart the estimate, and about four
-    rejections after a fall. At a steady rate both scores drift down: false alarms come about once
-    in 1,500 judged tokens, and cost a few steps of a wrong draft length (a tighter threshold,
-    log(100), fired three times as often, and each restart from a short, extreme segment set off
-    the next)."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.scores = {"up": 0.0, "down": 0.0}
-        self.segments = {"up": [0, 0], "down": [0, 0]}   # (judged, accepted) since the score left zero
-
-    def observe(self, p0: float, num_accepted: int, judged: int) -> tuple[int, int] | None:
-        p0 = min(max(p0, 0.02), 0.98)
-        targets = {"up": 1.0 - SHIFT_RATIO * (1.0 - p0), "down": SHIFT_RATIO * p0}
-        outcomes = [1] * num_accepted + [0] * (judged - num_accepted)
-        for side, p1 in targets.items():
-            accept, reject = math.log(p1 / p0), math.log((1 - p1) / (1 - p0))
-            for x in outcomes:
-                self.scores[side] = max(0.0, self.scores[side] + (accept if x else reject))
-                segment = self.segments[side]
-                segment[:] = [segment[0] + 1, segment[1] + x] if self.scores[side] > 0 else [0, 0]
-        for side, score in self.scores.items():
-            if score > SHIFT_LLR:
-                judged_since, accepted_since = self.segments[side]
-                self.reset()
-                return judged_since, accepted_since
-        return None
-
-
-def judged_tokens(num_drafted: int, num_accepted: int) -> int:
-    """Drafts past the first rejection were not judged."""
-    return min(num_drafted, num_accepted + 1)
-
-
-class DecayedCounts:
-    """Judged and accepted draft tokens, forgetting old ones geometrically per judged token.
-
-    With `watch`, a ShiftDetector restarts the counts from the tokens since a detected change.
-    Near the break-even the plan turns on a few hundredths of acceptance, so the memory must be
-    long (a memory of ~14 tokens errs by +-0.06 at 0.9: the plan drafted 4-5 where 8 paid); the
-    detector lets a long memory still follow a shift within a few steps."""
-
-    def __init__(self, decay: float, watch: bool = False):
-        self.decay = decay
-        self.judged = 0.0
-        self.accepted = 0.0
-        self.shifts = ShiftDetector() if watch else None
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        judged = judged_tokens(num_drafted, num_accepted)
-        if self.shifts is not None and self.judged >= MIN_JUDGED_FOR_SHIFTS:
-            since = self.shifts.observe(self.accepted / self.judged, num_accepted, judged)
-            if since is not None:
-                self.judged, self.accepted = map(float, since)
-                return
-        forget = self.decay ** judged
-        self.judged = forget * self.judged + judged
-        self.accepted = forget * self.accepted + num_accepted
-
-    def rate(self, prior: float, weight: float) -> float:
-        return (self.accepted + weight * prior) / (self.judged + weight)
-
-    def draw(self, prior: float, weight: float, rng: random.Random) -> float:
-        """One draw from the Beta posterior of the rate, optimistic: never below its mean."""
-        mean, n = self.rate(prior, weight), self.judged + weight
-        return max(mean, rng.betavariate(max(mean * n, 1e-3), max((1.0 - mean) * n, 1e-3)))
-
-
-def unlike(counts: "DecayedCounts", rate: float) -> bool:
-    """Whether a request's own judged tokens contradict the population's rate: the log-likelihood
-    ratio of its own rate against `rate` passes UNLIKE_LLR. A strong prior is right for a request
-    like the rest and wrong for an outlier (an agentic request at 0.1 among chats at 0.7 would
-    draft on for ~40 judged tokens under 32 pseudo-tokens of 0.7); an outlier at 0.1 among 0.7s
-    shows in about 8 judged tokens, and an unlucky 2 of 8 among 0.5s does not."""
-    n, x = counts.judged, counts.accepted
-    if n <= 0:
-        return False
-    own, rate = min(max(x / n, 1e-6), 1 - 1e-6), min(max(rate, 1e-6), 1 - 1e-6)
-    return x * math.log(own / rate) + (n - x) * math.log((1 - own) / (1 - rate)) > UNLIKE_LLR
-
-
-class PriorStrength:
-    """How many judged tokens the engine-wide rate of a proposer is worth to a new request: empirical
-    Bayes from finished requests' own (judged, accepted) totals, by the method of moments for a
-    beta-binomial. If every request accepts at about the same rate, the spread of their observed
-    rates is only the binomial noise of their few judged tokens, and the engine-wide rate deserves
-    many pseudo-tokens (up to MAX_PRIOR_WEIGHT): a request that met 3 rejections in its first 5
-    drafts is then still planned near the population's rate instead of turning drafting off. If
-    requests differ (code against chat under n-gram drafting), the spread is wider than the noise
-    and the prior weighs little. With a mean rate mu, the observed rates' variance is
-    mu (1 - mu) (E[1/n] + rho (1 - E[1/n])), rho = 1 / (m + 1), m the prior's weight in tokens.
-    Finished requests are forgotten geometrically, so the estimate follows the traffic."""
-
-    def __init__(self, decay: float = 0.98):
-        self.decay = decay
-        self.count = 0
-        self.sums = [0.0, 0.0, 0.0, 0.0]   # decayed sums of 1, r, r^2, 1/n over finished requests
-
-    def observe(self, judged: int, accepted: int) -> None:
-        if judged < 2:
-            return   # one judged token is no rate
-        rate = accepted / judged
-        self.count += 1
-        self.sums = [self.decay * s + x for s, x in zip(self.sums, (1.0, rate, rate * rate, 1.0 / judged))]
-
-    def weight(self) -> float:
-        if self.count < MIN_FINISHED:
-            return PRIOR_WEIGHT
-        total, first, second, inverse = self.sums
-        mean, inverse = first / total, inverse / total
-        spread = max(second / total - mean * mean, 0.0)
-        binomial = mean * (1.0 - mean)
-        if binomial < 1e-6 or inverse >= 1.0:
-            return PRIOR_WEIGHT
-        rho = (spread / binomial - inverse) / (1.0 - inverse)
-        if rho <= 1.0 / (MAX_PRIOR_WEIGHT + 1.0):
-            return MAX_PRIOR_WEIGHT
-        return min(max(1.0 / rho - 1.0, 1.0), MAX_PRIOR_WEIGHT)
 
 
 @dataclass
