@@ -109,11 +109,12 @@ def report(runs: dict[str, Run], concurrency: int, categories: list[str]) -> lis
         lines.append("| " + " | ".join(cells) + " |")
     tokens_per_s = {m: run.pooled("tokens") / run.wall for m, run in runs.items()}
     lines.append("\nthroughput (tokens/s): " + ", ".join(f"{m} {v:.1f}" for m, v in tokens_per_s.items()))
-    if "auto" in runs:
-        singles = [m for m in runs if m != "auto"]
-        for pool in ([m for m in singles if m in ("none", "draft", "ngram")], singles):
+    singles = [m for m in runs if not m.startswith("auto")]
+    pools = [[m for m in singles if m in ("none", "draft", "ngram")], singles]
+    for auto in [m for m in runs if m.startswith("auto")]:
+        for pool in pools[:1] if pools[0] == pools[1] else pools:
             best = max(pool, key=lambda m: tokens_per_s[m])
-            lines.append(f"auto / best of {', '.join(pool)} ({best}): {tokens_per_s['auto'] / tokens_per_s[best]:.3f}")
+            lines.append(f"{auto} / best of {', '.join(pool)} ({best}): {tokens_per_s[auto] / tokens_per_s[best]:.3f}")
     same = {m: sum(runs[m].answers[k] == plain.answers[k] for k in plain.answers) for m in speculative}
     lines.append("greedy answers identical to plain decoding: "
                  + ", ".join(f"{m} {n}/{len(plain.answers)}" for m, n in same.items())
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-peers", dest="peers", action="store_false")
     p.add_argument("--methods", nargs="+", default=None,
                    help="compare only these (none, ngram, draft, eagle, suffix, auto; none always)")
+    p.add_argument("--one-rate", action="store_true",
+                   help="also run auto planning every proposer on one acceptance rate per request, without "
+                        "the copying proposers' per-draft evidence (auto-one-rate)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -157,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, Run] = {}
         for round_index in range(args.rounds):   # fresh engines each round: no prefix cache from the last
             llms = {name: warm_engine(config, concurrency, speculative) for name, speculative in methods.items()}
+            if args.one_rate and "auto" in methods:
+                llms["auto-one-rate"] = warm_engine(config, concurrency, methods["auto"])
+                llms["auto-one-rate"].engine.controller.use_evidence = False
             if concurrency == args.concurrency[0] and round_index == 0:
                 cost = verification_cost(llms["none"], spec.gamma)
                 lines.append(f"dtype {str(llms['none'].engine.dtype).replace('torch.', '')}: verifying "

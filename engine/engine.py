@@ -183,7 +183,7 @@ class Engine:
         decoding = self.scheduler.decoding()
         if not decoding or not self.proposer.proposers:
             return {}
-        candidates = []
+        candidates, evidence = [], {}
         for request in decoding:
             limit = self.scheduler.draft_limit(request)
             if request.params.num_speculative_tokens is not None:
@@ -192,7 +192,19 @@ class Engine:
             caps = {m: self.proposer.proposers[m].max_drafts(request, limit) for m in allowed} if limit else {}
             lags = {m: self.proposer.proposers[m].catch_up_tokens(request) for m in allowed}
             candidates.append((request.request_id, caps, lags))
-        return self.controller.plan(candidates, self._pending_prefill(len(decoding)))
+            if self.controller.adaptive and self.controller.use_evidence:
+                evidence[request.request_id] = self._evidence(request, caps)
+        return self.controller.plan(candidates, self._pending_prefill(len(decoding)), evidence)
+
+    def _evidence(self, request: Request, caps: dict[str, int]) -> dict[str, list]:
+        """Per proposer that reports one (copying proposers; a model's confidence shows only while
+        it drafts), the evidence key of each draft it could offer."""
+        evidence = {}
+        for method, cap in caps.items():
+            report = getattr(self.proposer.proposers[method], "draft_evidence", None)
+            if report is not None and cap > 0:
+                evidence[method] = report(request, cap)
+        return evidence
 
     def _allowed(self, request: Request) -> list[str]:
         """The proposers this request may use: the engine's, narrowed by the request's own choice."""

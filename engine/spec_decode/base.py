@@ -3,6 +3,9 @@
 A proposer drafts for the requests the controller assigned to it (ScheduledRequest.method) up to
 item.num_lookahead tokens each, and owns whatever state that takes (a draft model's cache cursors).
 The engine tells it what verification kept (on_verified) and when a request leaves (on_finish).
+A copying proposer may also report, per draft it could offer, an evidence key (draft_evidence:
+how long its match runs, how many earlier continuations agree), which the controller calibrates
+into an acceptance per position; a model draft's confidence shows only while it drafts.
 """
 from __future__ import annotations
 
@@ -41,12 +44,20 @@ class Proposer(Protocol):
         """Up to item.num_lookahead draft tokens for each item (all assigned to this proposer)."""
         ...
 
+    # Optional: def draft_evidence(self, request: Request, limit: int) -> list[Hashable]
+    #     one evidence key per draft that max_drafts(request, limit) counted.
+
     def on_verified(self, request: Request) -> None:
         """Verification ran; request.num_computed_tokens is what its target cache holds now."""
         ...
 
     def on_finish(self, request_id: str) -> None:
         ...
+
+
+def length_bucket(n: int) -> int:
+    """1, 2-3, 4-7, 8-15, 16+ -> 0..4: how long a match runs, as an evidence key."""
+    return min(4, max(n, 1).bit_length() - 1)
 
 
 class NoProposer:

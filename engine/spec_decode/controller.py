@@ -49,8 +49,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine.spec_decode.estimates import (GLOBAL_DECAY, PRIOR_WEIGHT, REQUEST_DECAY, STEADY_DECAY, DecayedCounts,
-                                          PriorStrength, judged_tokens, unlike)
+from engine.spec_decode.estimates import (GLOBAL_DECAY, MAX_POSITION_RATE, PRIOR_WEIGHT, REQUEST_DECAY, STEADY_DECAY,
+                                          CalibrationRatio, DecayedCounts, PositionCalibration, PriorStrength,
+                                          judged_tokens, unlike)
 from engine.step_timer import StepCostModel
 
 EXPLORE_JUDGED = 16.0     # an idle request explores (optimistic posterior draws) until it judged this many
@@ -114,6 +115,7 @@ class RequestSpecState:
     probe: tuple[float, float] | None = None   # the probe in flight: (its extra seconds, seconds per plain token)
     idle: bool = False   # planned no drafts last step (a probe's one token is little evidence)
     totals: dict[str, list[int]] = field(default_factory=dict)   # method -> [judged, accepted], never forgotten
+    ratios: dict[str, CalibrationRatio] = field(default_factory=dict)   # method -> accepted / calibrated expectation
 
 
 class SpecController:
@@ -125,6 +127,9 @@ class SpecController:
         self.adaptive = adaptive
         self.draft_p_min = draft_p_min
         self.global_counts = {m: DecayedCounts(GLOBAL_DECAY) for m in self.methods}
+        self.calibration = PositionCalibration()   # per evidence key, for proposers that report one per draft
+        self.use_evidence = True   # False: those proposers are planned on one rate too (the ablation's "one rate")
+        self._keys: dict[str, dict[str, list]] = {}   # this plan's evidence keys: request -> method -> per position
         self.prior_strength = {m: PriorStrength() for m in self.methods}
         self.pool_evidence = True   # False: the prior weighs PRIOR_WEIGHT always (the ablation's "fixed prior")
         self.states: dict[str, RequestSpecState] = {}
@@ -181,17 +186,39 @@ class SpecController:
         return self._rates[key]
 
     def gains(self, request_id: str, method: str, k: int) -> list[float]:
-        """Marginal expected tokens of draft 1..k: a^j, a the planning rate."""
+        """Marginal expected tokens of draft 1..k: a^j, a the planning rate; for a proposer that
+        reported evidence per draft, the product of its calibrated positions' rates."""
+        rates = self.position_rates(request_id, method)
+        if rates is not None:
+            gains, cumulative = [], 1.0
+            for rate in rates[:k]:
+                cumulative *= rate
+                gains.append(cumulative)
+            return gains
         a = self.planning_rate(request_id, method)
         if (request_id, method) in self._drawn:
             k = min(k, 1)   # an exploration draw buys the cheapest evidence: one draft token
         return [a ** j for j in range(1, k + 1)]
 
+    def position_rates(self, request_id: str, method: str, scaled: bool = True) -> list[float] | None:
+        """Each reported draft position's acceptance (given the ones before it) from its evidence key,
+        scaled by the request's own ratio unless scaled is False; None without evidence."""
+        keys = self._keys.get(request_id, {}).get(method) if self.use_evidence else None
+        if not keys:
+            return None
+        prior = self.global_counts[method].rate(prior=0.5, weight=1.0)
+        state = self.states.get(request_id)
+        ratio = state.ratios[method].ratio() if scaled and state and method in state.ratios else 1.0
+        return [min(MAX_POSITION_RATE, ratio * self.calibration.rate(method, key, prior)) for key in keys]
+
     # ---- the plan ------------------------------------------------------------------
-    def plan(self, candidates: list[tuple[str, dict[str, int], dict[str, int]]], num_prefill_tokens: int = 0
-             ) -> dict[str, Plan]:
+    def plan(self, candidates: list[tuple[str, dict[str, int], dict[str, int]]], num_prefill_tokens: int = 0,
+             evidence: dict[str, dict[str, list]] | None = None) -> dict[str, Plan]:
         """candidates: per decoding request (request id, {method: most drafts it can take now},
-        {method: tokens that method must catch up on first}). Returns a Plan per request id."""
+        {method: tokens that method must catch up on first}); evidence: per request and method, the
+        evidence key of each draft it could offer, from proposers that report them. Returns a Plan
+        per request id."""
+        self._keys = evidence or {}
         if not self.adaptive:
             plans = {rid: self._static(caps) for rid, caps, _ in candidates}
             self.last_predicted_time = self.predicted_time(
@@ -320,7 +347,10 @@ class SpecController:
             state.credit = 0.0   # it drafts: no need for a first probe later
         # Confidence stop: drafting on is worth it while P(all drafts so far accepted) stays near
         # the gain the plan's last draft token needed; the draft's own product of q estimates it.
+        # Drafts planned on their own evidence were priced position by position already.
         p_min = self.draft_p_min if self.draft_p_min is not None else 0.5 * marginal_gain
+        if self.draft_p_min is None and self.position_rates(rid, method) is not None:
+            p_min = 0.0
         return Plan(method, k, p_min)
 
     def _probe(self, rid: str, caps: dict[str, int], lag: dict[str, int], state: RequestSpecState,
@@ -362,10 +392,15 @@ class SpecController:
         if num_drafted == 0 or method not in self.global_counts:
             return
         state = self.states.setdefault(request_id, RequestSpecState())
+        judged = judged_tokens(num_drafted, num_accepted)
+        expected = self.position_rates(request_id, method, scaled=False)
+        if expected is not None:   # drafted on evidence: calibrate its keys, and this request's ratio
+            self.calibration.observe(method, self._keys[request_id][method][:judged], num_accepted)
+            state.ratios.setdefault(method, CalibrationRatio()).observe(expected[:judged], num_accepted)
         counts = state.counts.setdefault(method, self._new_counts())
         counts.observe(num_drafted, num_accepted)
         totals = state.totals.setdefault(method, [0, 0])
-        totals[0] += judged_tokens(num_drafted, num_accepted)
+        totals[0] += judged
         totals[1] += num_accepted
         self.global_counts[method].observe(num_drafted, num_accepted)
         if state.probe is not None:   # charge the probe its net cost: won tokens pay for it

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Hashable
 
 PRIOR_WEIGHT = 4.0        # pseudo-observations of the engine-wide rate behind a request's estimate, until
                           # finished requests say how alike requests are (PriorStrength)
@@ -151,3 +152,49 @@ class PriorStrength:
         if rho <= 1.0 / (MAX_PRIOR_WEIGHT + 1.0):
             return MAX_PRIOR_WEIGHT
         return min(max(1.0 / rho - 1.0, 1.0), MAX_PRIOR_WEIGHT)
+
+
+KEY_PRIOR = 2.0        # pseudo-tokens of the proposer's engine-wide rate behind an evidence key's own rate
+RATIO_PRIOR = 2.0      # pseudo-tokens of "as calibrated" behind a request's own ratio
+RATIO_DECAY = 0.97     # per judged token: a request's ratio remembers ~30 positions
+MAX_POSITION_RATE = 0.98   # no draft token is a sure thing
+
+
+class PositionCalibration:
+    """How often a copying proposer's draft token is accepted, given what the proposer knew about
+    it: its evidence key (suffix drafting: how far the match runs, how many earlier continuations
+    agree, whether they come from this request or from others). One acceptance rate for a whole
+    request averages long copies (almost always right) with two-token guesses (mostly wrong), so a
+    request that met a few bad guesses stopped drafting its long copies too. Learned engine-wide
+    from every judged position, each key shrunk towards the proposer's overall rate."""
+
+    def __init__(self):
+        self.counts: dict[tuple[str, Hashable], DecayedCounts] = {}
+
+    def rate(self, method: str, key: Hashable, prior: float) -> float:
+        counts = self.counts.get((method, key))
+        return counts.rate(prior, KEY_PRIOR) if counts is not None else prior
+
+    def observe(self, method: str, keys: list[Hashable], num_accepted: int) -> None:
+        """keys of the judged positions, in order; the first num_accepted were accepted."""
+        for j, key in enumerate(keys):
+            self.counts.setdefault((method, key), DecayedCounts(GLOBAL_DECAY)).observe(1, int(j < num_accepted))
+
+
+class CalibrationRatio:
+    """A request's accepted draft tokens over what the calibration expected of them (both forgetting
+    per judged token): a request whose context copies worse than the traffic's (an agent's tool
+    output that never repeats) scales every position's rate down, one that copies better up."""
+
+    def __init__(self):
+        self.expected = 0.0
+        self.accepted = 0.0
+
+    def observe(self, expected: list[float], num_accepted: int) -> None:
+        """expected: the calibrated rate of each judged position, in order."""
+        forget = RATIO_DECAY ** len(expected)
+        self.expected = forget * self.expected + sum(expected)
+        self.accepted = forget * self.accepted + num_accepted
+
+    def ratio(self) -> float:
+        return (self.accepted + RATIO_PRIOR) / (self.expected + RATIO_PRIOR)

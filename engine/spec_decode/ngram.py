@@ -6,7 +6,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
-from engine.spec_decode.base import Proposal
+from engine.spec_decode.base import Proposal, length_bucket
 
 
 def ngram_lookup(token_ids: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> list[int]:
@@ -43,12 +43,16 @@ class NgramIndex:
                 self.last_end[tuple(self.tokens[end - n:end])] = end
 
     def lookup(self, k: int) -> list[int]:
+        return self.match(k)[0]
+
+    def match(self, k: int) -> tuple[list[int], int]:
+        """(up to k tokens that followed the longest matching suffix, its length n; 0 if none)."""
         num_tokens = len(self.tokens)
         for n in range(min(self.ngram_max, num_tokens - 1), self.ngram_min - 1, -1):
             end = self.last_end.get(tuple(self.tokens[num_tokens - n:]))
             if end is not None:
-                return self.tokens[end:end + k]
-        return []
+                return self.tokens[end:end + k], n
+        return [], 0
 
 
 class NgramProposer:
@@ -61,18 +65,27 @@ class NgramProposer:
         self.ngram_max = ngram_max
         self._indexes: dict[str, NgramIndex] = {}   # request id -> its context's index
 
-    def _lookup(self, request: Request, k: int) -> list[int]:
+    def _match(self, request: Request, k: int) -> tuple[list[int], int]:
         index = self._indexes.get(request.request_id)
         if index is None or len(index.tokens) > request.num_tokens:   # new, or a context that shrank
             index = self._indexes[request.request_id] = NgramIndex(self.ngram_min, self.ngram_max)
         index.extend(request.token_ids)
-        return index.lookup(k)
+        return index.match(k)
+
+    def _lookup(self, request: Request, k: int) -> list[int]:
+        return self._match(request, k)[0]
 
     def max_drafts(self, request: Request, limit: int) -> int:
         return len(self._lookup(request, limit)) if limit > 0 else 0
 
     def catch_up_tokens(self, request: Request) -> int:
         return 0
+
+    def draft_evidence(self, request: Request, limit: int) -> list[int]:
+        """Per draft, how long the match runs once the drafts before it are accepted (bucketed),
+        for the controller to calibrate: a 4-gram match that went on copying is likelier right."""
+        tokens, n = self._match(request, limit) if limit > 0 else ([], 0)
+        return [length_bucket(n + j) for j in range(len(tokens))]
 
     def propose(self, items: list[ScheduledRequest]) -> Proposal:
         return Proposal([self._lookup(item.request, item.num_lookahead) for item in items], None)

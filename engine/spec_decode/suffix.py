@@ -25,13 +25,14 @@ Bookkeeping only: no tensors here.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
 
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
-from engine.spec_decode.base import Proposal
+from engine.spec_decode.base import Proposal, length_bucket
 
 MAX_CANDIDATES = 64   # newest occurrences kept per q-gram: bounds lookups on common q-grams, and memory
 
@@ -42,6 +43,15 @@ class SuffixDraft:
     probs: list[float]       # empirical probability of each draft token given the ones before it
     match_length: int
     frequency: int           # occurrences behind the first draft token
+    support: tuple[int, ...] = ()   # occurrences that agree on each draft token
+    shared: bool = False     # from other requests' outputs (else the request's own context)
+
+    def evidence(self) -> list[tuple[int, int, int, bool]]:
+        """Per draft token, what backs it, for the controller to calibrate: how far the match runs
+        once the tokens before it are accepted, how many earlier continuations agree, whether they
+        all agree (or at least half), and where they come from."""
+        return [(length_bucket(self.match_length + j), min(2, length_bucket(n)), 2 if p >= 1.0 else int(p >= 0.5),
+                 self.shared) for j, (n, p) in enumerate(zip(self.support, self.probs))]
 
     @property
     def score(self) -> int:
@@ -151,7 +161,7 @@ class SuffixIndex:
     def _follow(self, starts: list[int], match_length: int, k: int, min_prob: float) -> SuffixDraft:
         """Walk the most frequent continuation of the occurrences whose continuations begin at starts."""
         ends = {s: self.document_end(s - 1) for s in starts}
-        tokens, probs, frequency, cumulative = [], [], 0, 1.0
+        tokens, probs, support, frequency, cumulative = [], [], [], 0, 1.0
         for step in range(k):
             counts: dict[int, int] = {}
             for s in starts:
@@ -167,9 +177,10 @@ class SuffixIndex:
             cumulative *= p
             tokens.append(token)
             probs.append(p)
+            support.append(count)
             frequency = frequency or count
             starts = [s for s in starts if s + step < ends[s] and self.tokens[s + step - self.base] == token]
-        return SuffixDraft(tokens, probs, match_length, frequency)
+        return SuffixDraft(tokens, probs, match_length, frequency, tuple(support))
 
 
 class SharedSuffixCache:
@@ -213,6 +224,10 @@ class SuffixProposer:
     def catch_up_tokens(self, request: Request) -> int:
         return 0
 
+    def draft_evidence(self, request: Request, limit: int) -> list[tuple]:
+        """The evidence key of each draft max_drafts counted (the controller calibrates them)."""
+        return self.draft(request, limit).evidence()[:limit] if limit > 0 else []
+
     def propose(self, items: list[ScheduledRequest]) -> Proposal:
         return Proposal([self._confident(self.draft(item.request, item.num_lookahead), item) for item in items], None)
 
@@ -249,6 +264,7 @@ class SuffixProposer:
         context = request.token_ids
         own = index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
         shared = self.shared.index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
+        shared = dataclasses.replace(shared, shared=True)
         best = max((own, shared), key=lambda d: (d.expected_accepted, d is own))
         if best.score < self.min_score:
             best = NO_DRAFT
