@@ -48,6 +48,7 @@ class CostCurve:
         self.smoothing = smoothing
         self.seconds: dict[int, float] = {}   # bucket -> seconds
         self.rows: dict[int, float] = {}      # bucket -> the rows those seconds were measured at
+        self._points: list[tuple[float, float]] | None = None   # the envelope, until the next timing
 
     def observe(self, rows: int, seconds: float) -> None:
         """Move the bucket's estimate towards one timing; one timing moves an estimate by at most
@@ -57,6 +58,7 @@ class CostCurve:
         extrapolation can be far too high (prefill chunks past calibrated decode batches)."""
         b = PlainStepTimer.bucket(rows)
         old = self.seconds.get(b)
+        self._points = None
         if old is None:
             self.calibrate(rows, min(seconds, self(rows)) if self.seconds else seconds)
             return
@@ -68,17 +70,12 @@ class CostCurve:
         """Set a bucket from a start-up measurement (the fastest of several passes)."""
         b = PlainStepTimer.bucket(rows)
         self.seconds[b], self.rows[b] = seconds, float(rows)
+        self._points = None
 
     def __call__(self, rows: int) -> float:
         if rows <= 0 or not self.seconds:
             return 0.0
-        # Non-decreasing by the lowest reading at or above each point: timings only err upwards, so
-        # a slow outlier at a small bucket must not lift every bigger one.
-        points, lowest = [], float("inf")
-        for b in sorted(self.seconds, reverse=True):
-            lowest = min(lowest, self.seconds[b])
-            points.append((self.rows[b], lowest))
-        points.reverse()
+        points = self._points or self._envelope()
         if rows <= points[0][0]:
             return points[0][1]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
@@ -88,6 +85,18 @@ class CostCurve:
             return points[0][1] * rows / points[0][0]
         (x0, y0), (x1, y1) = points[-2:]
         return y1 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (rows - x1)
+
+    def _envelope(self) -> list[tuple[float, float]]:
+        """Non-decreasing by the lowest reading at or above each point: timings only err upwards, so
+        a slow outlier at a small bucket must not lift every bigger one. (A plan asks a curve
+        dozens of times between two timings: built once per timing.)"""
+        points, lowest = [], float("inf")
+        for b in sorted(self.seconds, reverse=True):
+            lowest = min(lowest, self.seconds[b])
+            points.append((self.rows[b], lowest))
+        points.reverse()
+        self._points = points
+        return points
 
     @property
     def ready(self) -> bool:
