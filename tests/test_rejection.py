@@ -356,3 +356,41 @@ def test_positional_noise_depends_on_seed_and_position_only():
     first = a.at(5).clone()
     a.forget_before(10)
     assert torch.equal(a.at(5), first)   # forgotten, then drawn again: the same numbers
+
+
+def test_greedy_fast_path_emits_what_the_general_path_does(monkeypatch):
+    """verify._accept's shortcut for plain greedy rows (argmax per row, no [B, K+1, V] distributions)
+    against the general path on the same logits: drafts that match the argmax for a while, fully,
+    not at all, none at all; ties resolved to the lowest index by both."""
+    from types import SimpleNamespace
+
+    from engine import verify
+    from engine.sampling_params import SamplingParams
+    from engine.spec_decode.base import Proposal
+
+    rng = np.random.default_rng(0)
+    vocab, lengths = 50, [0, 1, 3, 4, 4, 2]
+    logits = torch.tensor(rng.integers(0, 6, size=(sum(n + 1 for n in lengths), vocab)), dtype=torch.float32)  # ties
+    best = logits.argmax(dim=-1).tolist()
+    drafts, sample_rows, row = [], {}, 0
+    for i, n in enumerate(lengths):
+        truth = best[row:row + n]
+        keep = [n, n, 1, n, 0, 2][i]   # how many drafts agree with the target before the first miss
+        drafts.append(truth[:keep] + [(t + 1) % vocab for t in truth[keep:]])
+        sample_rows[i] = list(range(row, row + n + 1))
+        row += n + 1
+    request = SimpleNamespace(params=SamplingParams(temperature=0.0), noise=None, generator=None,
+                              output_token_ids=[], token_ids=[], num_prompt_tokens=0, num_output_tokens=0)
+    scheduled = [SimpleNamespace(request=request) for _ in lengths]
+
+    def accept() -> verify.VerifyResult:
+        result = verify.VerifyResult([[] for _ in lengths], [0] * len(lengths), [None] * len(lengths),
+                                     [[] for _ in lengths])
+        verify._accept(scheduled, Proposal(drafts, None), logits, sample_rows, result)
+        return result
+
+    fast = accept()
+    monkeypatch.setattr(verify, "_plain_greedy", lambda params: False)
+    general = accept()
+    assert fast.token_ids == general.token_ids and fast.num_accepted == general.num_accepted
+    assert fast.num_accepted == [0, 1, 1, 4, 0, 2]
