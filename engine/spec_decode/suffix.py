@@ -263,9 +263,11 @@ class SuffixProposer:
         index = self._index(request)
         context = request.token_ids
         own = index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
-        shared = self.shared.index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
-        shared = dataclasses.replace(shared, shared=True)
-        best = max((own, shared), key=lambda d: (d.expected_accepted, d is own))
+        best = own
+        if own.expected_accepted < k:   # else k certain tokens: the shared index could only tie, and ties go to own
+            shared = self.shared.index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
+            shared = dataclasses.replace(shared, shared=True)
+            best = max((own, shared), key=lambda d: (d.expected_accepted, d is own))
         if best.score < self.min_score:
             best = NO_DRAFT
         self._drafts[request.request_id] = (request.num_tokens, k, best)
