@@ -73,8 +73,9 @@ def test_evidence_plans_differ_from_one_rate_plans():
     pooled = calibrated({COPY: 0.95, GUESS: 0.1})
     pooled.use_evidence = False
     for controller in (with_evidence, pooled):
+        rng = random.Random(1)
         for _ in range(200):
-            controller.global_counts["suffix"].observe(1, int(random.random() < 0.52))
+            controller.global_counts["suffix"].observe(1, int(rng.random() < 0.52))
     evidence = {"copying": [COPY] * MAX_K, "guessing": [GUESS] * MAX_K}
     ks = plan(with_evidence, evidence)
     one_rate = plan(pooled, evidence)

@@ -200,11 +200,16 @@ class SpecController:
             k = min(k, 1)   # an exploration draw buys the cheapest evidence: one draft token
         return [a ** j for j in range(1, k + 1)]
 
+    def evidence_keys(self, request_id: str, method: str) -> list | None:
+        """The evidence key of each draft this plan was offered for the request by method; None when
+        the proposer reported none (or evidence is switched off)."""
+        return (self._keys.get(request_id, {}).get(method) or None) if self.use_evidence else None
+
     def position_rates(self, request_id: str, method: str, scaled: bool = True) -> list[float] | None:
         """Each reported draft position's acceptance (given the ones before it) from its evidence key,
         scaled by the request's own ratio unless scaled is False; None without evidence."""
-        keys = self._keys.get(request_id, {}).get(method) if self.use_evidence else None
-        if not keys:
+        keys = self.evidence_keys(request_id, method)
+        if keys is None:
             return None
         prior = self.global_counts[method].rate(prior=0.5, weight=1.0)
         state = self.states.get(request_id)
@@ -349,7 +354,7 @@ class SpecController:
         # the gain the plan's last draft token needed; the draft's own product of q estimates it.
         # Drafts planned on their own evidence were priced position by position already.
         p_min = self.draft_p_min if self.draft_p_min is not None else 0.5 * marginal_gain
-        if self.draft_p_min is None and self.position_rates(rid, method) is not None:
+        if self.draft_p_min is None and self.evidence_keys(rid, method) is not None:
             p_min = 0.0
         return Plan(method, k, p_min)
 
@@ -393,9 +398,10 @@ class SpecController:
             return
         state = self.states.setdefault(request_id, RequestSpecState())
         judged = judged_tokens(num_drafted, num_accepted)
-        expected = self.position_rates(request_id, method, scaled=False)
-        if expected is not None:   # drafted on evidence: calibrate its keys, and this request's ratio
-            self.calibration.observe(method, self._keys[request_id][method][:judged], num_accepted)
+        keys = self.evidence_keys(request_id, method)
+        if keys is not None:   # drafted on evidence: calibrate its keys, and this request's ratio
+            expected = self.position_rates(request_id, method, scaled=False)
+            self.calibration.observe(method, keys[:judged], num_accepted)
             state.ratios.setdefault(method, CalibrationRatio()).observe(expected[:judged], num_accepted)
         counts = state.counts.setdefault(method, self._new_counts())
         counts.observe(num_drafted, num_accepted)
