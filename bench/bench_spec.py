@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import random
 import sys
@@ -83,8 +84,11 @@ class OracleProposer:
         self.draft.on_finish(request_id)
 
 
+KV_BYTES = 512 << 20   # 4,096 tokens of the fp32 target: batch 16 needs ~1,700; seven engines of 1 GiB ran out of memory
+
+
 def speculative_llm(target: str, draft: str, dtype: str, gamma: int, adaptive: bool, batch: int) -> LLM:
-    return LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16),
+    return LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16), kv_cache_memory_bytes=KV_BYTES,
                speculative={"method": "draft", "model": draft, "num_speculative_tokens": gamma, "adaptive": adaptive})
 
 
@@ -199,31 +203,86 @@ def oracle_cell(llms: dict, continuations: dict, sets: list[list[list[int]]], al
     for name, llm in llms.items():
         if name != "plain":
             with_oracle(llm, continuations, alpha)
-    runs = [lockstep_throughput(llms, prompts, new_tokens, [continuations[tuple(p)] for p in prompts], seed)
-            for seed, prompts in enumerate(sets)][1:]
+    def run(seed: int) -> dict[str, float]:
+        prompts = sets[seed]
+        return lockstep_throughput(llms, prompts, new_tokens, [continuations[tuple(p)] for p in prompts], seed)
+    run(0)
+    choices = {name: ChoiceLog(llms[name].engine) for name in ADAPTIVE if name in llms}
+    runs = [run(seed) for seed in range(1, len(sets))]
     rate = {name: len(runs) / sum(1 / run[name] for run in runs) for name in llms}   # tokens / total time
+    oracle_cell.choices = {name: log.close() for name, log in choices.items()}
     return {name: tps / rate["plain"] for name, tps in rate.items() if name != "plain"}, rate["plain"]
 
 
-def sweep(target, draft, dtype, prompts, continuations, new_tokens, alphas, batches, repeats) -> list[dict]:
+ADAPTIVE = ("adaptive", "fresh")
+
+
+class ChoiceLog:
+    """What an adaptive engine chose over a cell's timed runs: how many decode rows drafted and how
+    deep, and its predicted step time against the measured one for drafting steps (the cost
+    model's error is what turns drafting down)."""
+
+    def __init__(self, engine):
+        self.engine, self.step = engine, engine.step
+        self.rows = self.drafting = self.drafted = self.steps = 0
+        self.predicted = self.measured = 0.0
+        engine.step = self._step
+
+    def _step(self):
+        start = time.perf_counter()
+        out = self.step()
+        seconds = time.perf_counter() - start
+        stats = self.engine.last_stats
+        if stats and stats.chosen_k:
+            ks = stats.chosen_k
+            self.rows += len(ks)
+            self.drafting += sum(k > 0 for k in ks)
+            self.drafted += sum(ks)
+            if stats.predicted_time_s and any(ks):
+                self.steps += 1
+                self.predicted += stats.predicted_time_s
+                self.measured += seconds
+        return out
+
+    def close(self) -> str:
+        self.engine.step = self.step
+        bias = f", predicted / measured time of drafting steps {self.predicted / self.measured:.2f}" if self.steps else ""
+        return (f"drafted in {self.drafting / max(self.rows, 1):.0%} of decode rows, "
+                f"{self.drafted / max(self.drafting, 1):.1f} deep on average{bias}")
+
+
+def sweep(target, draft, dtype, prompts, continuations, new_tokens, alphas, batches, repeats,
+          fresh: bool = False) -> list[dict]:
     print(f"\n2. oracle sweep: throughput as a ratio to plain decoding at the same batch; every cell runs "
           f"plain, each static gamma and adaptive in lock-step (one step of each in turn, in shuffled order), "
           f"{repeats} times after one untimed run, each run with its own prompts, "
           f"tokens over total time; adaptive / best static in the last column")
+    if fresh:
+        print("(adaptive: one engine carried through the row's cells in order; fresh: a new adaptive engine "
+              "per cell, its untimed run its only history)")
     head = "".join(f"{'g=' + str(g):>7}" for g in STATIC_GAMMAS)
-    print(f"{'alpha':>5} {'batch':>5} {'plain tok/s':>11}{head} {'adaptive':>8} {'ad/best':>8}")
+    print(f"{'alpha':>5} {'batch':>5} {'plain tok/s':>11}{head} {'adaptive':>8} {'ad/best':>8}"
+          + (f" {'fresh':>7} {'fr/best':>8}" if fresh else ""))
     rows = []
     for batch in batches:
-        llms = {"plain": LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16))}
+        llms = {"plain": LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16),
+                             kv_cache_memory_bytes=KV_BYTES)}
         llms.update({g: speculative_llm(target, draft, dtype, g, False, batch) for g in STATIC_GAMMAS})
         llms["adaptive"] = speculative_llm(target, draft, dtype, max(STATIC_GAMMAS), True, batch)
         for alpha in alphas:
+            if fresh:
+                llms.pop("fresh", None)
+                gc.collect()   # the last cell's engine holds weights and a KV cache: free them first
+                llms["fresh"] = speculative_llm(target, draft, dtype, max(STATIC_GAMMAS), True, batch)
             ratios, plain_rate = oracle_cell(llms, continuations, prompt_sets(prompts, batch, repeats), alpha,
                                              new_tokens)
             best_static = max(ratios[g] for g in STATIC_GAMMAS)
             cells = "".join(f"{ratios[g]:6.2f}x" for g in STATIC_GAMMAS)
+            fresh_cell = f" {ratios['fresh']:6.2f}x {ratios['fresh'] / best_static:8.2f}" if fresh else ""
             print(f"{alpha:5.2f} {batch:5d} {plain_rate:11.1f}{cells} {ratios['adaptive']:7.2f}x "
-                  f"{ratios['adaptive'] / best_static:8.2f}", flush=True)
+                  f"{ratios['adaptive'] / best_static:8.2f}{fresh_cell}", flush=True)
+            for name, choices in oracle_cell.choices.items():
+                print(f"      {name}: {choices}")
             rows.append({"alpha": alpha, "batch": batch, **{str(k): v for k, v in ratios.items()}})
         del llms
     worst_plain = min(r["adaptive"] for r in rows)
@@ -264,6 +323,8 @@ def main(argv=None) -> None:
     parser.add_argument("--alphas", default="0,0.3,0.5,0.7,0.9")
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=3, help="lock-step runs per cell")
+    parser.add_argument("--fresh", action="store_true",
+                        help="also run a new adaptive engine per sweep cell beside the one carried through the row")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: theory,sweep,shift")
     root = os.path.join(tempfile.gettempdir(), "specserve-bench")
     parser.add_argument("--model-dir", default=os.path.join(root, "target"))
@@ -287,7 +348,8 @@ def main(argv=None) -> None:
     if "theory" not in skip:
         theory_table(target, draft, args.dtype, prompts, continuations, plain[batches[0]], args.new_tokens, 4, alphas)
     if "sweep" not in skip:
-        sweep(target, draft, args.dtype, prompts, continuations, args.new_tokens, alphas, batches, args.repeats)
+        sweep(target, draft, args.dtype, prompts, continuations, args.new_tokens, alphas, batches, args.repeats,
+              args.fresh)
     if "shift" not in skip:
         workload_shift(target, draft, args.dtype, prompts[0], shift_continuation, shift_tokens)
 
