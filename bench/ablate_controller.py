@@ -3,8 +3,9 @@ plain, static gammas (--gammas, default 2 and 4), the controller as shipped, and
 one mechanism off (--without): its 5% plan hurdle, its exploration draws, a new request's free first
 probe, its steady acceptance memory (the short one alone, no shift detector), the scaling of
 predicted drafting-step times by what whole steps measured, or the pooled prior (the engine-wide
-rate always worth 4 judged tokens, however alike finished requests were), or long exploration
-(idle requests draw optimistic rates only until they judged 4 tokens, not 16).
+rate always worth 4 judged tokens, however alike finished requests were), long exploration
+(idle requests draw optimistic rates only until they judged 4 tokens, not 16), or shared probes
+(every probe priced and charged as if alone in its pass, at most one per eight requests a step).
 Throughput as a ratio to plain decoding, over --repeats lock-step runs (each with its own prompts)
 after an untimed one.
 
@@ -27,7 +28,7 @@ from engine import LLM  # noqa: E402
 
 
 VARIANTS = ("no hurdle", "no exploration", "no first look", "short memory", "no step bias", "fixed prior",
-            "short exploration")
+            "short exploration", "lone probes")
 
 
 def switch_off(engine, variant: str) -> None:
@@ -46,6 +47,8 @@ def switch_off(engine, variant: str) -> None:
         engine.controller.explore_judged = 4.0
     elif variant == "fixed prior":
         engine.controller.pool_evidence = False
+    elif variant == "lone probes":   # every probe priced and charged as if alone in its pass, one per 8 requests
+        engine.controller.share_probes = False
     elif variant != "adaptive":
         raise SystemExit(f"unknown variant {variant!r}: adaptive or one of {', '.join(VARIANTS)}")
 

@@ -48,11 +48,12 @@ def plan_k(controller: SpecController, batch: int, methods=("draft",)) -> list[t
 
 
 def test_low_acceptance_plans_no_drafts():
-    controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005)), {"draft": 0.05})
     for batch in (1, 4, 16):
+        controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005)), {"draft": 0.05})
         assert set(plan_k(controller, batch)) == {("none", 0)}
-        # only probes draft: new requests, at most one in eight per step, one token each
-        assert 1 <= len(plan_k.probes) <= -(-batch // 8) and {p.k for p in plan_k.probes} == {1}
+        # only probes draft: new requests' free first looks, one token each, all in one verification pass
+        assert len(plan_k.probes) == batch and {p.k for p in plan_k.probes} == {1}
+        assert set(plan_k(controller, batch)) == {("none", 0)} and not plan_k.probes   # looked: no credit yet
 
 
 def test_high_acceptance_and_cheap_verification_plan_the_maximum():
@@ -551,3 +552,32 @@ def test_probe_only_steps_do_not_scale_drafting_steps():
     controller.last_depth = 1   # the plan drafted: its step does count
     Engine._learn(engine, batch, proposal, result, verify_time=0.06, step_time=0.09)
     assert costs.drafting_bias > 1.0
+
+
+def test_probes_share_a_verification_pass():
+    """The first probe of a plain step costs the verification shape and a whole draft forward;
+    requests probing beside it add only their rows, so one step with credit for one lone probe
+    carries probes for the whole batch, and each is charged an equal share of what they added."""
+    from engine.spec_decode.controller import RequestSpecState
+    model = costs(0.0005)
+    controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.05})
+    rids = [f"r{i}" for i in range(4)]
+    for i, rid in enumerate(rids):   # past their first look; r0 saved up for a lone probe, the rest a little
+        controller.states[rid] = RequestSpecState(credit=0.05 if i == 0 else 0.002, look_due=False)
+    plans = controller.plan([(rid, {"draft": MAX_K}, {"draft": 0}) for rid in rids])
+    assert all(p.probe and p.k == 1 for p in plans.values())
+    charges = [controller.states[rid].probe[0] for rid in rids]
+    assert len(set(charges)) == 1 and sum(charges) == pytest.approx(controller.last_predicted_time - model.step_time(4))
+    assert charges[0] < 0.5 * model.draft_forward(1)   # a lone probe costs at least the whole forward
+    # without the opener's credit nobody probes: a joiner's credit does not open a pass
+    for rid in rids:
+        controller.states[rid].credit, controller.states[rid].probe = 0.002, None
+    assert not any(p.probe for p in controller.plan([(rid, {"draft": MAX_K}, {"draft": 0}) for rid in rids]).values())
+
+    # the ablation's "lone probes": each probe priced as if alone, one per eight requests a step
+    controller.share_probes = False
+    for i, rid in enumerate(rids):
+        controller.states[rid].credit = 0.05 if i == 0 else 0.002
+    plans = controller.plan([(rid, {"draft": MAX_K}, {"draft": 0}) for rid in rids])
+    assert [rid for rid, p in plans.items() if p.probe] == ["r0"]
+    assert controller.states["r0"].probe[0] == pytest.approx(controller.last_predicted_time - model.step_time(4))

@@ -27,8 +27,14 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   the request's share of a plain step; a probe is charged its net cost (its extra time, less the
   plain-decoding time of the tokens it won). Failed probes can never cost more than EXPLORATION of
   plain decoding; probes that win pay for themselves, so once acceptance is back they run every
-  step until the plan drafts again. A request without history of its own gets one free probe at
-  once. At most one request in eight probes in a step.
+  step until the plan drafts again. Probes share passes: the first probe of a plain step pays for
+  the verification shape and a whole draft forward, and requests that probe beside it, or beside
+  the plan's drafts, pay only their row and their row's share of the draft forward (at batch 4 a
+  lone probe cost ~20 ms on a 70 ms step, and a fourth of the same forward ~1 ms). At most one
+  request in eight starts a probing pass in a step. A new request takes one free look at once
+  (requests that arrive together share its pass). Deferring it while the engine-wide prior was
+  strong left a stale prior unchallenged: after low-acceptance traffic, an engine facing alpha 0.7
+  at batch 4 never drafted, its requests' catch-up making every paid probe too dear.
 - Estimates from a few judged tokens can be unluckily low, and a request that stops drafting stops
   learning. So a request that planned no drafts last step, and has judged fewer than EXPLORE_JUDGED
   tokens of its own, explores as a bandit does (optimistic Thompson sampling): the plan uses a
@@ -99,19 +105,20 @@ class ProbePrices:
     """What a probe row costs in a step beyond its own draft token, and what its tokens are worth."""
     plain_token: float        # seconds per token of plain decoding at this batch
     per_token: float          # one more token in the verification pass
-    shape_jump: float         # a verification-shaped pass over a plain one (charged to each probe: conservative)
+    shape_jump: float         # a verification-shaped pass over a plain one (paid by the probe that makes one)
 
 
 def _add_credit(state: "RequestSpecState", seconds: float, plain_token: float) -> None:
     """Move a request's exploration credit, saved up to at most MAX_CREDIT_STEPS plain steps."""
-    state.credit = min((state.credit or 0.0) + seconds, MAX_CREDIT_STEPS * plain_token)
+    state.credit = min(state.credit + seconds, MAX_CREDIT_STEPS * plain_token)
 
 
 @dataclass
 class RequestSpecState:
     """What the controller remembers of one request."""
     counts: dict[str, DecayedCounts] = field(default_factory=dict)
-    credit: float | None = None    # exploration budget in seconds (None: new, due one probe at once)
+    credit: float = 0.0            # exploration budget in seconds
+    look_due: bool = True          # new: one free probe due (SpecController._probes)
     probe: tuple[float, float] | None = None   # the probe in flight: (its extra seconds, seconds per plain token)
     idle: bool = False   # planned no drafts last step (a probe's one token is little evidence)
     totals: dict[str, list[int]] = field(default_factory=dict)   # method -> [judged, accepted], never forgotten
@@ -135,10 +142,11 @@ class SpecController:
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
         self.last_depth = 0   # the longest draft of the last plan (what its predicted time was priced at)
-        self._probes_left = 0
         self.explore = explore
         self.hurdle = HURDLE
         self.first_look = True   # a new request's first probe is free (the ablation switches it off)
+        self.share_probes = True   # False: every probe priced and charged as if alone in its pass (the ablation's
+                                   # "lone probes")
         self.steady_decay: float | None = STEADY_DECAY   # None: the short memory alone, no shift detector
         self._rng = random.Random(seed)      # exploration draws (they choose k, never tokens)
         self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
@@ -230,7 +238,6 @@ class SpecController:
                 len(candidates) + num_prefill_tokens, {rid: p.k for rid, p in plans.items() if p.k},
                 {rid: p.method for rid, p in plans.items()}, {rid: lag for rid, _, lag in candidates})
             return plans
-        self._probes_left = -(-len(candidates) // PROBES_PER_REQUESTS)
         self._rates, self._drawn = {}, set()
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens)
@@ -270,10 +277,15 @@ class SpecController:
         time = time if ks else plain_time
         if ks and expected / time < (1.0 + self.hurdle) * len(candidates) / plain_time:   # plain is (about) as good
             ks, time = {}, plain_time
-        self.last_predicted_time, self.last_depth = time, max(ks.values(), default=0)
+        self.last_depth = max(ks.values(), default=0)
         prices = ProbePrices(plain_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
-        return {rid: self._finish(rid, caps, lag, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices)
-                for rid, caps, lag in candidates}
+        plans = {rid: self._finish(rid, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices)
+                 for rid, _, _ in candidates}
+        first_rows = Counter(methods[rid] for rid in ks if self._is_model(methods[rid]))
+        probes, probe_time = self._probes([c for c in candidates if not plans[c[0]].k], prices, bool(ks), first_rows,
+                                          len(candidates))
+        self.last_predicted_time = time + probe_time
+        return {**plans, **probes}
 
     def _trim_deep_positions(self, taken: dict[str, list[tuple[float, float]]], expected: float,
                              base_tokens: int, methods: dict, lags: dict) -> tuple[float, float]:
@@ -342,14 +354,13 @@ class SpecController:
         return self.costs.step_time(base_tokens + sum(ks.values()), rows, bool(ks), catch_up, base_tokens, len(lags),
                                     max(ks.values(), default=0))
 
-    def _finish(self, rid: str, caps: dict[str, int], lag: dict[str, int], method: str | None, k: int,
-                marginal_gain: float, prices: "ProbePrices") -> Plan:
+    def _finish(self, rid: str, method: str | None, k: int, marginal_gain: float, prices: "ProbePrices") -> Plan:
         state = self.states.setdefault(rid, RequestSpecState())
         state.idle = k == 0
         if k == 0:
-            return self._probe(rid, caps, lag, state, prices) or NO_PLAN
-        if state.credit is None:
-            state.credit = 0.0   # it drafts: no need for a first probe later
+            _add_credit(state, EXPLORATION * prices.plain_token, prices.plain_token)
+            return NO_PLAN
+        state.look_due = False   # it drafts: it learns without a look
         # Confidence stop: drafting on is worth it while P(all drafts so far accepted) stays near
         # the gain the plan's last draft token needed; the draft's own product of q estimates it.
         # Drafts planned on their own evidence were priced position by position already.
@@ -358,28 +369,58 @@ class SpecController:
             p_min = 0.0
         return Plan(method, k, p_min)
 
-    def _probe(self, rid: str, caps: dict[str, int], lag: dict[str, int], state: RequestSpecState,
-               prices: "ProbePrices") -> Plan | None:
-        # A free proposer probes first; a draft model's probe is priced with its catch-up.
-        usable = [m for m in self.methods if caps.get(m, 0) > 0]
-        usable = [m for m in usable if not self._is_model(m)] or usable
-        if state.credit is None and not self.first_look:
-            state.credit = 0.0
-        fresh = state.credit is None
-        if not fresh:
-            _add_credit(state, EXPLORATION * prices.plain_token, prices.plain_token)
-        if not usable or self._probes_left <= 0:
-            return None
-        method = max(usable, key=lambda m: self.acceptance(rid, m))
-        row, first = self._prices(method, lag, 1, prices.per_token)   # drafting alone: a one-row draft forward
-        extra = prices.shape_jump + row + first
-        # Expected net cost: the extra time, less the plain time of the token it wins when accepted.
-        if not fresh and state.credit < extra - self.acceptance(rid, method) * prices.plain_token:
-            return None
-        self._probes_left -= 1
-        state.probe = None if fresh else (extra, prices.plain_token)   # a first look is free
-        state.credit = state.credit or 0.0
-        return Plan(method, 1, 0.0, probe=True)
+    def _probes(self, idle: list[tuple[str, dict[str, int], dict[str, int]]], prices: "ProbePrices",
+                verifies: bool, first_rows: Counter, batch: int) -> tuple[dict[str, Plan], float]:
+        """One-token probes for the requests planned at k = 0, and their predicted seconds. A probe
+        runs when its price, less the plain time of the token it wins when accepted, is covered by
+        the request's credit; the first probe of a plain pass prices in the verification shape (at
+        most one such per PROBES_PER_REQUESTS requests), later ones only their rows, and all of
+        them are then charged an equal share. The richest requests go first, so they open the pass
+        the others can afford to join."""
+        openers = -(-batch // PROBES_PER_REQUESTS)
+        plans, paid, seconds = {}, {}, 0.0
+        order = sorted(idle, key=lambda c: -self.states[c[0]].credit)
+        for _ in range(2):   # a new request waiting for a verification pass may join one opened after its turn
+            for rid, caps, lag in order:
+                state = self.states[rid]
+                # A free proposer probes first; a draft model's probe is priced with its catch-up.
+                usable = [m for m in self.methods if caps.get(m, 0) > 0]
+                usable = [m for m in usable if not self._is_model(m)] or usable
+                alone = not (verifies and self.share_probes)
+                if rid in plans or not usable or (alone and openers <= 0):
+                    continue
+                method = max(usable, key=lambda m: self.acceptance(rid, m))
+                price = self._probe_price(method, lag, prices, not alone, 0 if alone else first_rows[method])
+                look = state.look_due and self.first_look
+                if not look and state.credit < price - self.acceptance(rid, method) * prices.plain_token:
+                    continue
+                openers -= alone
+                verifies = True
+                first_rows[method] += self._is_model(method)
+                state.look_due = False
+                state.probe = None   # a first look is free
+                if not look:
+                    paid[rid] = price
+                plans[rid], seconds = Plan(method, 1, 0.0, probe=True), seconds + price
+        # The paying probers share the pass's cost: a joiner charged only its row would bank the
+        # plain time of every token it wins, grow rich enough to open passes of its own, and turn
+        # probing into drafting at acceptance where drafting loses (alpha 0.3, batch 4: 64% of rows
+        # probed, 0.91x plain).
+        for rid, price in paid.items():
+            self.states[rid].probe = (sum(paid.values()) / len(paid) if self.share_probes else price, prices.plain_token)
+        return plans, seconds
+
+    def _probe_price(self, method: str, lag: dict[str, int], prices: "ProbePrices", verifies: bool,
+                     rows: int) -> float:
+        """Seconds a probe adds to the step: its target row, the verification shape unless the pass
+        has it already, and for a model proposer its row of the first draft forward (a whole
+        forward when it is the only row) and its catch-up."""
+        seconds = prices.per_token + (0.0 if verifies else prices.shape_jump)
+        if self._is_model(method):
+            curve, bias = self.costs.draft_forward, self.costs.drafting_bias
+            row = curve(rows + 1, method) - (curve(rows, method) if rows else 0.0)
+            seconds += bias * (max(row, 0.0) + self.costs.catch_up(lag.get(method, 0), method))
+        return seconds
 
     def _static(self, caps: dict[str, int]) -> Plan:
         usable = [m for m in self.methods if caps.get(m, 0) > 0]
