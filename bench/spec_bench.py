@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one-rate", action="store_true",
                    help="also run auto planning every proposer on one acceptance rate per request, without "
                         "the copying proposers' per-draft evidence (auto-one-rate)")
+    p.add_argument("--lone-probes", action="store_true",
+                   help="also run auto with every probe priced and charged as if alone in its pass "
+                        "(auto-lone-probes: the controller before probes shared passes)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     for concurrency in args.concurrency:
         runs: dict[str, Run] = {}
         for round_index in range(args.rounds):   # fresh engines each round: no prefix cache from the last
-            llms = build_engines(config, concurrency, methods, args.one_rate, round_index)
+            variants = [v for v, on in (("one-rate", args.one_rate), ("lone-probes", args.lone_probes)) if on]
+            llms = build_engines(config, concurrency, methods, variants, round_index)
             if concurrency == args.concurrency[0] and round_index == 0:
                 cost = verification_cost(llms["none"], spec.gamma)
                 lines.append(f"dtype {str(llms['none'].engine.dtype).replace('torch.', '')}: verifying "
@@ -186,16 +190,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def build_engines(config, concurrency: int, methods: dict, one_rate: bool, round_index: int) -> dict[str, LLM]:
-    """One engine per method, created in an order rotated by the round: two identical engines
-    measured up to 2.6% apart at 16 streams by which was created first (placement in memory)."""
-    names = list(methods) + (["auto-one-rate"] if one_rate and "auto" in methods else [])
+AUTO_VARIANTS = {   # auto with one of the controller's mechanisms switched off
+    "one-rate": lambda controller: setattr(controller, "use_evidence", False),
+    "lone-probes": lambda controller: setattr(controller, "share_probes", False),
+}
+
+
+def build_engines(config, concurrency: int, methods: dict, variants: list[str], round_index: int) -> dict[str, LLM]:
+    """One engine per method (and per auto variant), created in an order rotated by the round: two
+    identical engines measured up to 2.6% apart at 16 streams by which was created first
+    (placement in memory)."""
+    names = list(methods) + ([f"auto-{v}" for v in variants] if "auto" in methods else [])
     shift = round_index % len(names)
     llms = {}
     for name in names[shift:] + names[:shift]:
-        llms[name] = warm_engine(config, concurrency, methods[name.removesuffix("-one-rate")])
-        if name == "auto-one-rate":
-            llms[name].engine.controller.use_evidence = False
+        variant = name.removeprefix("auto-") if name.startswith("auto-") else None
+        llms[name] = warm_engine(config, concurrency, methods["auto" if variant else name])
+        if variant:
+            AUTO_VARIANTS[variant](llms[name].engine.controller)
     return {name: llms[name] for name in names}
 
 
