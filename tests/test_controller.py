@@ -581,3 +581,18 @@ def test_probes_share_a_verification_pass():
     plans = controller.plan([(rid, {"draft": MAX_K}, {"draft": 0}) for rid in rids])
     assert [rid for rid, p in plans.items() if p.probe] == ["r0"]
     assert controller.states["r0"].probe[0] == pytest.approx(controller.last_predicted_time - model.step_time(4))
+
+
+def test_the_engine_wide_rate_follows_a_shift_across_requests():
+    """Traffic turns from acceptance 0.3 to 0.9 between requests. The engine-wide rate, the prior
+    of every new request, remembers ~140 judged tokens; its shift detector restarts it from the
+    tokens since the change, so within about 60 judged tokens it reads the new rate (forgetting
+    alone would still read under 0.5)."""
+    controller = SpecController(["draft"], MAX_K, costs(0.0005), explore=False)
+    finished_requests(controller, [0.3] * 30)
+    assert controller.global_counts["draft"].rate(0.5, 1.0) < 0.4
+    rng = random.Random(1)
+    for i in range(60):
+        controller.observe(f"new{i // 20}", "draft", 1, int(rng.random() < 0.9))
+    assert controller.global_counts["draft"].rate(0.5, 1.0) > 0.75
+    assert controller.acceptance("fresh", "draft") > 0.75   # a new request starts from it

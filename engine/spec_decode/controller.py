@@ -133,7 +133,10 @@ class SpecController:
         self.costs = costs
         self.adaptive = adaptive
         self.draft_p_min = draft_p_min
-        self.global_counts = {m: DecayedCounts(GLOBAL_DECAY) for m in self.methods}
+        # The engine-wide rate is watched for shifts too: when traffic turns from one acceptance to
+        # another across requests, its ~140-token memory held new requests to the old rate (under a
+        # strong pooled prior) for most of a 64-token request.
+        self.global_counts = {m: DecayedCounts(GLOBAL_DECAY, watch=True) for m in self.methods}
         self.calibration = PositionCalibration()   # per evidence key, for proposers that report one per draft
         self.use_evidence = True   # False: those proposers are planned on one rate too (the ablation's "one rate")
         self._keys: dict[str, dict[str, list]] = {}   # this plan's evidence keys: request -> method -> per position
