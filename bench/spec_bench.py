@@ -160,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}
     sessions = question_sessions(questions)
+    variants = [v for v, on in (("one-rate", args.one_rate), ("lone-probes", args.lone_probes)) if on]
     for concurrency in args.concurrency:
         runs: dict[str, Run] = {}
         for round_index in range(args.rounds):   # fresh engines each round: no prefix cache from the last
-            variants = [v for v, on in (("one-rate", args.one_rate), ("lone-probes", args.lone_probes)) if on]
             llms = build_engines(config, concurrency, methods, variants, round_index)
             if concurrency == args.concurrency[0] and round_index == 0:
                 cost = verification_cost(llms["none"], spec.gamma)

@@ -382,26 +382,32 @@ class SpecController:
         the others can afford to join."""
         openers = -(-batch // PROBES_PER_REQUESTS)
         plans, paid, seconds = {}, {}, 0.0
-        order = sorted(idle, key=lambda c: -self.states[c[0]].credit)
-        for _ in range(2):   # a new request waiting for a verification pass may join one opened after its turn
-            for rid, caps, lag in order:
+        order = []   # (request, lag, its probe's proposer, that proposer's acceptance), richest first
+        for rid, caps, lag in sorted(idle, key=lambda c: -self.states[c[0]].credit):
+            # A free proposer probes first; a draft model's probe is priced with its catch-up.
+            usable = [m for m in self.methods if caps.get(m, 0) > 0]
+            usable = [m for m in usable if not self._is_model(m)] or usable
+            if usable:
+                rates = {m: self.acceptance(rid, m) for m in usable}
+                method = max(usable, key=rates.get)
+                order.append((rid, lag, method, rates[method]))
+        # Two passes: a request that could not afford to open a pass may join one opened after its
+        # turn (by a poorer request's free first look, or one whose catch-up is cheaper).
+        for _ in range(2):
+            for rid, lag, method, rate in order:
                 state = self.states[rid]
-                # A free proposer probes first; a draft model's probe is priced with its catch-up.
-                usable = [m for m in self.methods if caps.get(m, 0) > 0]
-                usable = [m for m in usable if not self._is_model(m)] or usable
                 alone = not (verifies and self.share_probes)
-                if rid in plans or not usable or (alone and openers <= 0):
+                if rid in plans or (alone and openers <= 0):
                     continue
-                method = max(usable, key=lambda m: self.acceptance(rid, m))
                 price = self._probe_price(method, lag, prices, not alone, 0 if alone else first_rows[method])
                 look = state.look_due and self.first_look
-                if not look and state.credit < price - self.acceptance(rid, method) * prices.plain_token:
+                if not look and state.credit < price - rate * prices.plain_token:
                     continue
                 openers -= alone
                 verifies = True
                 first_rows[method] += self._is_model(method)
                 state.look_due = False
-                state.probe = None   # a first look is free
+                state.probe = None   # a first look is free; paying probers get their share below
                 if not look:
                     paid[rid] = price
                 plans[rid], seconds = Plan(method, 1, 0.0, probe=True), seconds + price
