@@ -291,7 +291,7 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
     while batch <= max_batch:
         seconds = target_pass(batch, 0)
         timer.seconds[batch] = seconds
-        costs.plain.calibrate(batch, seconds)
+        costs.calibrate_plain(batch, seconds)
         for lookahead in sorted({1, max(1, gamma // 2), gamma}):   # verification curves per batch: 1, gamma/2, gamma drafts each
             costs.calibrate_verify(batch, batch * (lookahead + 1), target_pass(batch, lookahead))
         batch *= 2

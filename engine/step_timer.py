@@ -12,6 +12,7 @@ import math
 from collections import Counter
 
 DEPTH_EVIDENCE = 5   # drafting steps of one depth before that depth's own scale is used
+PACE_SMOOTHING = 0.1   # per plain decode pass: the machine's pace follows a change within ~10 steps
 
 
 class PlainStepTimer:
@@ -113,7 +114,16 @@ class StepCostModel:
     per power-of-two bucket of sequences (`targets`), and plain passes their own (`plain`, over
     sequences = tokens). Catch-up tokens cost less than rows (no logits: a shallow draft's cost is
     mostly its LM head), so they have their own per-token price. The engine calibrates all of these
-    at start-up and refines them from every step and draft forward."""
+    at start-up and refines them from every step and draft forward.
+
+    A machine's speed drifts (other tenants, memory bandwidth, clocks: the bench target's plain
+    decode pass moved between 15 and 24 ms within a minute on the dev machine), and a shape the
+    engine seldom runs kept the speed of its last passes: an engine that had probed in a slow minute
+    held its one-sequence verification pass at 22.5 ms against plain decoding's 16.3 (steady engines
+    measured ~1.05x), so drafting looked dear, the engine seldom drafted, and the curve stayed stale.
+    So every curve holds times at the start-up pace, and `pace` scales them all: plain decode passes
+    (which run at every batch size the engine serves) against their start-up timing, a moving
+    average. The reference is frozen, so the pace cannot wander with the curves' own learning."""
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
@@ -124,6 +134,8 @@ class StepCostModel:
         self.drafting_bias = 1.0   # measured / predicted time of drafting steps (see observe_drafting_step)
         self.depth_bias: dict[int, float] = {}   # the same, per depth (the step's longest draft)
         self.depth_steps: Counter = Counter()    # drafting steps seen at each depth
+        self.pace = 1.0   # the machine's speed now against start-up (see the class doc)
+        self.reference: dict[int, float] = {}   # batch bucket -> plain decode pass timed at start-up
 
     @property
     def draft(self) -> CostCurve:
@@ -134,19 +146,26 @@ class StepCostModel:
         return self.drafts.setdefault(method, CostCurve(self.smoothing))
 
     # ---- measurements -------------------------------------------------------------
+    def calibrate_plain(self, batch_size: int, seconds: float) -> None:
+        """A plain decode pass timed at start-up: a point of the plain curve and the pace's reference."""
+        self.plain.calibrate(batch_size, seconds)
+        self.reference[PlainStepTimer.bucket(batch_size)] = seconds
+
     def calibrate_verify(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
         self._curve(num_seqs, create=True).calibrate(num_tokens, seconds)
 
     def observe_pass(self, num_tokens: int, seconds: float, with_drafts: bool, num_seqs: int | None = None) -> None:
-        if with_drafts:
-            self._curve(num_seqs or num_tokens, create=True).observe(num_tokens, seconds)
-        else:
-            self.plain.observe(num_tokens, seconds)
+        reference = self.reference.get(PlainStepTimer.bucket(num_tokens))
+        if not with_drafts and num_tokens == (num_seqs or num_tokens) and reference:   # a plain decode pass
+            ratio = min(max(seconds / reference, 0.5 * self.pace), 2.0 * self.pace)
+            self.pace *= (ratio / self.pace) ** PACE_SMOOTHING
+        curve = self._curve(num_seqs or num_tokens, create=True) if with_drafts else self.plain
+        curve.observe(num_tokens, seconds / self.pace)
 
     def observe_draft(self, rows: int, seconds: float, catch_up: int = 0, method: str = "draft") -> None:
         """One forward of a model proposer: `rows` requests, feeding `catch_up` tokens besides their
         last ones. A forward with little catch-up times the rows; one with much prices the catch-up."""
-        curve = self.draft_curve(method)
+        curve, seconds = self.draft_curve(method), seconds / self.pace
         if catch_up < max(8, rows):
             curve.observe(rows, seconds)
             return
@@ -191,7 +210,7 @@ class StepCostModel:
         draft_rows, catch_up = draft_rows or {}, catch_up or {}
         verifying = any(draft_rows.values()) if verifying is None else verifying
         if not verifying and self.plain.ready:
-            return self.plain(num_tokens)
+            return self.pace * self.plain(num_tokens)
         drafting = sum(self.draft_forward(rows, method) for method, forwards in draft_rows.items() for rows in forwards)
         drafting += sum(self.catch_up(catch_up.get(method, 0), method) for method, forwards in draft_rows.items() if forwards)
         depth = depth or max((len(forwards) for forwards in draft_rows.values()), default=0)
@@ -202,19 +221,19 @@ class StepCostModel:
         num_tokens of which base_tokens are the batch's own, never less than a plain pass of the
         batch (the drafted pass holds it)."""
         floor = self.plain(base_tokens) if base_tokens and self.plain.ready else 0.0
-        return max(self._curve(num_seqs or base_tokens or num_tokens)(num_tokens), floor)
+        return self.pace * max(self._curve(num_seqs or base_tokens or num_tokens)(num_tokens), floor)
 
     def draft_forward(self, rows: int, method: str = "draft") -> float:
-        return self.draft_curve(method)(rows)
+        return self.pace * self.draft_curve(method)(rows)
 
     def catch_up(self, tokens: int, method: str = "draft") -> float:
-        return self.catch_up_price.get(method, 0.0) * tokens
+        return self.pace * self.catch_up_price.get(method, 0.0) * tokens
 
     def per_token(self, num_tokens: int, num_seqs: int | None = None) -> float:
         """Marginal cost of one more token in a verification pass of num_tokens: the slope over the
         next max(4, num_tokens) tokens (the range drafts add to a pass), steadier than one token's step."""
         curve, span = self._curve(num_seqs or num_tokens), max(4, num_tokens)
-        return max(curve(num_tokens + span) - curve(num_tokens), 0.0) / span
+        return self.pace * max(curve(num_tokens + span) - curve(num_tokens), 0.0) / span
 
     def _curve(self, num_seqs: int, create: bool = False) -> CostCurve:
         """The verification curve of this many sequences' bucket; without one, the nearest bucket's."""

@@ -390,6 +390,31 @@ def test_cost_curve_points_sit_at_the_rows_they_were_measured_at():
     assert decode(64) < 0.2
 
 
+
+def test_a_seldom_run_shape_moves_with_the_machine_pace():
+    """The machine slows to 1.5x for a while, the engine probes once in that minute, then the machine
+    speeds up again and the engine decodes plainly: the verification pass is predicted at today's
+    speed (its curve alone held the slow minute's 33 ms against plain decoding's 20), and a steady
+    machine keeps its pace however the curves learn."""
+    model = StepCostModel()
+    model.calibrate_plain(1, 0.020)
+    model.calibrate_verify(1, 2, 0.021)
+    model.draft.calibrate(1, 0.004)
+    for _ in range(30):
+        model.observe_pass(1, 0.030, False, 1)   # a slow minute
+    assert model.step_time(1) == pytest.approx(0.030, rel=0.05)
+    model.observe_pass(2, 0.0315, True, 1)       # one probe in it
+    model.observe_draft(1, 0.006)
+    slow = model.verify_time(2, 1, 1)
+    assert slow == pytest.approx(0.0315, rel=0.05) and model.draft_forward(1) == pytest.approx(0.006, rel=0.05)
+    for _ in range(30):
+        model.observe_pass(1, 0.020, False, 1)   # back to speed, no drafting
+    assert model.verify_time(2, 1, 1) == pytest.approx(0.021, rel=0.05)
+    assert model.draft_forward(1) == pytest.approx(0.004, rel=0.05)
+    for _ in range(200):   # steady: verification and plain passes at their true cost
+        model.observe_pass(1, 0.020, False, 1)
+        model.observe_pass(2, 0.021, True, 1)
+    assert model.pace == pytest.approx(1.0, rel=0.01)
 def test_waiting_requests_count_as_prefill_only_when_they_can_be_admitted(pair):
     """With every sequence slot taken, waiting prompts cannot join the next pass, so they must not
     make the controller think the pass is big (and drafts nearly free)."""
