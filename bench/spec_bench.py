@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lone-probes", action="store_true",
                    help="also run auto with every probe priced and charged as if alone in its pass "
                         "(auto-lone-probes: the controller before probes shared passes)")
+    p.add_argument("--without-ngram", action="store_true",
+                   help="also run auto never choosing n-gram drafting (auto-without-ngram: suffix drafting also "
+                        "looks up the request's own context)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}
     sessions = question_sessions(questions)
-    variants = [v for v, on in (("one-rate", args.one_rate), ("lone-probes", args.lone_probes)) if on]
+    variants = [v for v, on in (("one-rate", args.one_rate), ("lone-probes", args.lone_probes),
+                                ("without-ngram", args.without_ngram)) if on]
     for concurrency in args.concurrency:
         runs: dict[str, Run] = {}
         for round_index in range(args.rounds):   # fresh engines each round: no prefix cache from the last
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 AUTO_VARIANTS = {   # auto with one of the controller's mechanisms switched off
     "one-rate": lambda controller: setattr(controller, "use_evidence", False),
     "lone-probes": lambda controller: setattr(controller, "share_probes", False),
+    "without-ngram": lambda controller: setattr(controller, "methods", [m for m in controller.methods if m != "ngram"]),
 }
 
 
