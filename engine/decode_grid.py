@@ -74,7 +74,7 @@ class DecodeGrid:
         self.seq_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_seqs * max_blocks, dtype=torch.int32, device=device)
         self.block_ids = torch.zeros(max_seqs * max_blocks, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def fits(self, items) -> bool:
@@ -94,17 +94,25 @@ class DecodeGrid:
 
     @torch.inference_mode()
     def run(self, items) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states of every fed token, in item order, and their cache slots."""
+        """The final hidden states of every fed token, in item order, and their cache slots; their
+        features (the model's `features`, for EAGLE heads) are in self.last_features."""
         shape = self.shape(items)
         rows = self._fill(items, *shape)
         if not self.capture:
             hidden = self.model(*self._inputs(*shape))
+            features = self._features(hidden)
         else:
             if shape not in self.graphs:
                 self.graphs[shape] = self._record(shape)
-            graph, hidden = self.graphs[shape]
+            graph, hidden, features = self.graphs[shape]
             graph.replay()
-        return hidden[rows], self.slot_mapping[rows]
+        out = hidden[rows]
+        self.last_features = out if features is hidden else None if features is None else features[rows]
+        return out, self.slot_mapping[rows]
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        features = getattr(self.model, "features", None)
+        return None if features is None else features(hidden)
 
     def _fill(self, items, num_seqs: int, q_len: int, num_blocks: int) -> torch.Tensor:
         """Write the pass into the persistent buffers; returns the grid rows of the real tokens."""
@@ -141,7 +149,7 @@ class DecodeGrid:
                               q_len, self.use_flash)
         return self.input_ids[:size], self.positions[:size], meta, self.kv_caches
 
-    def _record(self, shape: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _record(self, shape: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         """Capture one bucket's pass. The buffers already hold a real pass: the warm-up runs compute it
         (writing the same keys and values the replay will), then the capture records it. The capture
         gets metadata of its own: one that the warm-up had used would hand it the warm-up's cached
@@ -155,4 +163,4 @@ class DecodeGrid:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden = self.model(*self._inputs(*shape))
-        return graph, hidden
+        return graph, hidden, self._features(hidden)   # the features' tensor, too, is the graph's to refill

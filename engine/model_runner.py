@@ -28,9 +28,10 @@ class ForwardItem:
 
 
 class ModelRunner:
-    """keep_features: also keep every fed token's final hidden state (the model's output before
-    the LM head) in a paged buffer beside the KV cache, for proposers that draft from the target's
-    features (EAGLE heads). Like KV, a position's feature is written when the position is computed
+    """keep_features: also keep every fed token's features (its final hidden state, the model's
+    output before the LM head, or with CausalLM.set_feature_layers the fused outputs of those layers)
+    in a paged buffer beside the KV cache, for proposers that draft from the target's features
+    (EAGLE heads). Like KV, a position's feature is written when the position is computed
     and stays valid while the position's block holds it: rollback, preemption and prefix caching
     need no bookkeeping of their own."""
 
@@ -43,8 +44,8 @@ class ModelRunner:
         self.scratch_block = num_blocks
         shape = (2, num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        self.features = torch.zeros(num_blocks * block_size, model.hidden_size, dtype=dtype, device=device) \
-            if keep_features else None   # [slots, hidden]
+        self.features = torch.zeros(num_blocks * block_size, model.feature_size, dtype=dtype, device=device) \
+            if keep_features else None   # [slots, feature size]
         self.decode_grid: DecodeGrid | None = None
         self.fused_ops = getattr(model, "fused_ops", False)   # models.llama.use_fused_cpu_ops ran on it
 
@@ -80,7 +81,7 @@ class ModelRunner:
         extra = {} if features is None else {"features": features}
         hidden = self.model(input_ids, positions, meta, self.kv_caches, **extra)
         if self.features is not None:
-            self.features.index_copy_(0, meta.slot_mapping, hidden)
+            self.features.index_copy_(0, meta.slot_mapping, self.model.features(hidden))
         ends = np.cumsum(query_lens)
         rows = np.concatenate([np.arange(end - item.num_logits, end) for item, end in zip(items, ends)])
         if len(rows) < hidden.shape[0]:
@@ -92,7 +93,7 @@ class ModelRunner:
     def _grid_forward(self, items: list[ForwardItem], return_hidden: bool):
         hidden, slots = self.decode_grid.run(items)   # every fed token's row: all of them want logits
         if self.features is not None:
-            self.features.index_copy_(0, slots, hidden)
+            self.features.index_copy_(0, slots, self.decode_grid.last_features)
         logits = self.model.compute_logits(hidden)
         return (logits, hidden) if return_hidden else logits
 

@@ -165,7 +165,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_config, block_size, draft_dtype)
     if head is not None:   # its one layer's KV, and the target's kept features
         bytes_per_block += ModelRunner.kv_bytes_per_block(head.config, block_size, dtype) + \
-            block_size * head.hidden_size * dtype.itemsize
+            block_size * target_model.feature_size * dtype.itemsize
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     max_model_len = _max_model_len(config, target_model, draft_model, num_blocks * block_size - spec.gamma)
     blocks_per_seq = -(-(max_model_len + spec.gamma) // block_size)

@@ -213,7 +213,7 @@ EAGLE_TENSORS = ("fc.weight", "layer.input_layernorm.weight", "layer.self_attn.q
 
 
 def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target: bool = False,
-                    draft_vocab: list[int] | None = None) -> Path:
+                    draft_vocab: list[int] | None = None, feature_layers: list[int] | None = None) -> Path:
     """An EAGLE head directory (the format engine/models/eagle.py loads) for a target checkpoint: the
     target's config with the eagle block, and random fp32 weights of the right shapes.
 
@@ -222,7 +222,8 @@ def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target
     the tokens after the first (RoPE sees only relative positions): a head that agrees with its
     target almost always, for tests that need high acceptance.
 
-    draft_vocab: the (ascending) token ids the head may draft."""
+    draft_vocab: the (ascending) token ids the head may draft. feature_layers: an EAGLE-3-style head
+    over those decoder layers' fused outputs."""
     import json
 
     from safetensors.torch import save_file
@@ -237,6 +238,8 @@ def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target
                   mlp_bias=False, eagle={"format": 1, "feature": "final_norm_hidden", "unroll": 1,
                                          "target_hidden_size": hidden, "target_vocab_size": config["vocab_size"]})
     config.pop("layer_types", None)
+    if feature_layers:
+        config["eagle"].update(feature="fused_layers", feature_layers=list(feature_layers))
     (path / "config.json").write_text(json.dumps(config))
     shapes = {"fc.weight": (hidden, 2 * hidden), "layer.self_attn.q_proj.weight": (heads * head_dim, hidden),
               "layer.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
@@ -262,6 +265,9 @@ def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target
                                  name.replace("layer.", "model.layers.0.", 1)].clone()
                    for name in EAGLE_TENSORS if name != "fc.weight"}
         tensors["fc.weight"] = torch.cat((torch.zeros(hidden, hidden), torch.eye(hidden)), dim=1)
+    if feature_layers:
+        shape = (hidden, len(feature_layers) * hidden)
+        tensors["fuse.weight"] = scale * torch.randn(shape, generator=generator) / shape[1] ** 0.5
     if draft_vocab is not None:
         tensors["draft_vocab"] = torch.tensor(draft_vocab, dtype=torch.long)
         config["eagle"]["draft_vocab_size"] = len(draft_vocab)

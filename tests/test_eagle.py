@@ -344,3 +344,79 @@ def test_only_rows_verified_by_rejection_sampling_carry_draft_distributions(path
         buffers.clear()
         run(config, prompts[:3], params, engine=engine)
         assert buffers and set(buffers) == {expected}, params
+
+
+FUSED_LAYERS = [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    """A 4-layer target and an EAGLE-3-style head over its layers 0, 1 and 2 (random weights)."""
+    root = tmp_path_factory.mktemp("fused")
+    target = make_tiny_checkpoint(root / "target", arch="llama", seed=11, num_layers=4)
+    head = make_eagle_head(target, root / "head", seed=4, feature_layers=FUSED_LAYERS)
+    return {"target": str(target), "head": str(head)}
+
+
+def test_a_fused_feature_head_reads_its_layers_and_stays_lossless(fused, prompts):
+    """With fused features the target keeps, per position, the outputs of the head's layers side by
+    side (transformers' hidden_states of those layers), through prefill chunks, partial acceptance
+    and preemption, and the output is still plain greedy."""
+    from transformers import AutoModelForCausalLM
+
+    plain = run(EngineConfig(model=fused["target"], dtype="float32"), prompts)[0]
+    config = EngineConfig(model=fused["target"], dtype="float32", block_size=4, num_kv_blocks=24,
+                          max_num_batched_tokens=20, speculative=eagle(fused, 4))
+    engine = Engine(config)
+    assert engine.target.features.shape[1] == 3 * engine.target.model.hidden_size
+    proposer = engine.proposer.proposers["eagle"]
+    TruthfulDrafts(proposer, {tuple(p): out + [0] * 16 for p, out in zip(prompts, plain)}, alpha=0.6)
+    seen, batch_ids = [], []
+    catch_up, read = proposer._catch_up, engine.target.read_features
+
+    def recording_catch_up(items):
+        batch_ids[:] = [item.request.request_id for item in items]
+        return catch_up(items)
+
+    def recording_read(spans):
+        features = read(spans)
+        offsets = np.cumsum([0] + [end - start for _, start, end in spans])
+        seen.extend((rid, start, end, features[offset:offset + end - start].clone())
+                    for rid, (_, start, end), offset in zip(batch_ids, spans, offsets))
+        return features
+    proposer._catch_up, engine.target.read_features = recording_catch_up, recording_read
+    outputs, engine = run(config, prompts, engine=engine)
+    assert outputs == plain and 0.2 < engine.totals.acceptance_rate < 0.95
+
+    model = AutoModelForCausalLM.from_pretrained(fused["target"], dtype=torch.float32)
+    with torch.no_grad():
+        states = {str(i): model.model(torch.tensor([p + o]), output_hidden_states=True).hidden_states
+                  for i, (p, o) in enumerate(zip(prompts, outputs))}
+    expected = {rid: torch.cat([hs[layer + 1][0] for layer in FUSED_LAYERS], dim=-1) for rid, hs in states.items()}
+    assert len(seen) > 30
+    for rid, start, end, features in seen:
+        torch.testing.assert_close(features, expected[rid][start:end], atol=2e-4, rtol=1e-4)
+
+
+def test_a_fused_head_trained_is_the_fused_head_served(fused, tmp_path):
+    """The train/serve contract with fused features: a head made by the trainer with feature layers,
+    exported and loaded by the engine, gives the trainer's teacher-forced logits."""
+    from transformers import AutoModelForCausalLM
+
+    from train.eagle_head import EagleHeadTrainer, head_logits_teacher_forced
+    target = AutoModelForCausalLM.from_pretrained(fused["target"], dtype=torch.float32)
+    head = EagleHeadTrainer.from_target(target, feature_layers=[2, 0, 1])
+    assert head.feature_layers == FUSED_LAYERS and "fuse.weight" in head.state_dict()
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(0)))
+    head.save_pretrained(tmp_path / "head", dtype=torch.float32)
+    ids = torch.randint(3, 250, (1, 20), generator=torch.Generator().manual_seed(1))
+    assert_served_logits(fused, tmp_path / "head", ids, head_logits_teacher_forced(head, target, ids)[0])
+
+
+def test_fused_feature_layers_must_be_layers_below_the_last(fused, tmp_path):
+    for layers in ([3], [0, 0], [-1]):
+        head = make_eagle_head(fused["target"], tmp_path / f"bad{len(layers)}{layers[0]}", feature_layers=layers)
+        with pytest.raises(ValueError, match="feature layers must be distinct decoder layers"):
+            Engine(EngineConfig(model=fused["target"], dtype="float32", speculative=eagle({"head": str(head)})))

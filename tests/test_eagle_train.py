@@ -300,3 +300,23 @@ def test_bad_inputs_are_clear_errors(target_dir, chat_data, tmp_path):
         EagleHeadTrainer.from_target(target)
     with pytest.raises(TrainError, match="no EAGLE head"):
         EagleHeadTrainer.load(tmp_path, load_hf(target_dir))
+
+
+def test_a_fused_feature_head_trains_exports_and_keeps_its_layers(target_dir, chat_data, tmp_path):
+    """--feature-layers: the head reads those layers' outputs through `fuse`; it trains, exports fuse
+    with the rest, and a run that resumes or starts from it must not name other layers."""
+    from safetensors import safe_open
+
+    run = dict(steps=40, unroll=2, ckpt_every=20, feature_layers=[0])
+    stats = train_eagle(cfg(target_dir, chat_data, tmp_path / "fused", **run), **QUIET)
+    assert stats["after"]["kl"][0] < 0.8 * stats["before"]["kl"][0]
+    with safe_open(str(tmp_path / "fused" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(HEAD_TENSORS + ["fuse.weight"])
+        assert f.get_tensor("fuse.weight").shape == (64, 64)
+    eagle = json.loads((tmp_path / "fused" / "config.json").read_text())["eagle"]
+    assert eagle["feature"] == "fused_layers" and eagle["feature_layers"] == [0]
+    with pytest.raises(TrainError, match="--feature-layers 1"):
+        train_eagle(cfg(target_dir, chat_data, tmp_path / "again", init_head=str(tmp_path / "fused"),
+                        **dict(run, feature_layers=[1])), **QUIET)
+    with pytest.raises(TrainError, match="feature layers must be distinct decoder layers"):
+        train_eagle(cfg(target_dir, chat_data, tmp_path / "bad", **dict(run, feature_layers=[1])), **QUIET)

@@ -84,6 +84,8 @@ class EagleConfig:
     progress: bool = True
     draft_vocab: int = 0  # > 0: draft only this many most frequent answer tokens (EAGLE-3's reduced vocabulary)
     init_head: str | None = None  # an exported head to start from instead of the target's last layer
+    feature_layers: list[int] | None = None  # EAGLE-3's fused features: these decoder layers' outputs (e.g. low,
+                                             # middle, high) instead of the final hidden state
 
 
 # ----------------------------------------------------------------------------- features
@@ -93,14 +95,18 @@ class FeatureCache:
     """The target's features of each conversation (as collate cuts it, keyed by its tokens), computed
     the first time the conversation is seen, kept on the CPU in `dtype`."""
 
-    def __init__(self, target, seq_len: int, pad_id: int, device, bf16: bool, dtype=torch.bfloat16):
+    def __init__(self, target, seq_len: int, pad_id: int, device, bf16: bool, dtype=torch.bfloat16,
+                 feature_layers=()):
         self.target, self.seq_len, self.pad_id = target, seq_len, pad_id
         self.device, self.bf16, self.dtype = device, bf16, dtype
+        self.feature_layers = list(feature_layers)
+        self.width = target.config.hidden_size * (len(self.feature_layers) + 1 if self.feature_layers else 1)
         self.rows: dict[bytes, torch.Tensor] = {}
 
     @torch.no_grad()
     def batch(self, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """inputs [B, T], labels [B, T] (collate's) and features [B, T, H] (fp32, zero on padding)."""
+        """inputs [B, T], labels [B, T] (collate's) and features [B, T, W] (target_features', fp32, zero
+        on padding)."""
         inputs, labels = collate(examples, self.seq_len, self.pad_id)
         lengths = [min(len(e.token_ids), self.seq_len + 1) - 1 for e in examples]
         keys = [inputs[i, :n].numpy().tobytes() for i, n in enumerate(lengths)]
@@ -108,10 +114,10 @@ class FeatureCache:
         if todo:
             width = max(lengths[i] for i in todo)
             with autocast(self.device, self.bf16):
-                h = target_features(self.target, inputs[todo, :width].to(self.device))
+                h = target_features(self.target, inputs[todo, :width].to(self.device), self.feature_layers)
             for row, i in zip(h, todo):
                 self.rows[keys[i]] = row[:lengths[i]].to("cpu", self.dtype)
-        features = torch.zeros(*inputs.shape, self.target.config.hidden_size)
+        features = torch.zeros(*inputs.shape, self.width)
         for i, key in enumerate(keys):
             features[i, :lengths[i]] = self.rows[key].float()
         return inputs, labels, features
@@ -139,7 +145,7 @@ class Teacher:
     def __init__(self, head: EagleHeadTrainer, features, labels, device, bf16: bool, argmax: bool = False):
         trained = labels != IGNORE
         with torch.no_grad(), autocast(device, bf16):
-            logits = head.logits(features[trained].to(device))
+            logits = head.logits(head.final(features[trained]).to(device))
             if argmax:
                 self.argmax = head.target_logits(features[trained].to(device)).argmax(-1)
         self.probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -329,7 +335,11 @@ def train_eagle(cfg: EagleConfig, log=print) -> dict:
     resuming = cfg.resume and (ckpt_dir / "state.json").exists()
     head = (EagleHeadTrainer.load(ckpt_dir, target) if resuming
             else EagleHeadTrainer.load(cfg.init_head, target) if cfg.init_head
-            else EagleHeadTrainer.from_target(target, cfg.unroll))
+            else EagleHeadTrainer.from_target(target, cfg.unroll, cfg.feature_layers))
+    if cfg.feature_layers is not None and sorted(cfg.feature_layers) != head.feature_layers:
+        raise TrainError(f"--feature-layers {' '.join(map(str, cfg.feature_layers))}: the head "
+                         f"{'checkpoint' if resuming else cfg.init_head} takes "
+                         f"{head.feature_layers or 'the final hidden state'}")
     head.head_config["eagle"]["unroll"] = cfg.unroll
     _set_draft_vocab(head, cfg, data, log)
     head = head.to(device).train()
@@ -339,8 +349,8 @@ def train_eagle(cfg: EagleConfig, log=print) -> dict:
         log(f"resumed from {ckpt_dir} at step {state['step']}")
     log(f"target {count_params(target) / 1e6:.2f}M params, EAGLE head {count_params(head) / 1e6:.2f}M params, "
         f"unroll {cfg.unroll}, {device.type}, {'bf16' if bf16 else 'fp32'}; data {data.meta}")
-    train_cache = FeatureCache(target, cfg.seq_len, pad, device, bf16)
-    held_cache = FeatureCache(target, cfg.seq_len, pad, device, bf16, dtype=torch.float32)
+    train_cache = FeatureCache(target, cfg.seq_len, pad, device, bf16, feature_layers=head.feature_layers)
+    held_cache = FeatureCache(target, cfg.seq_len, pad, device, bf16, torch.float32, head.feature_layers)
     if "before" not in state:
         state["before"] = evaluate(head, data, held_cache, cfg.unroll, device, bf16)
     log(describe("before", state["before"]))
@@ -410,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "eval_windows", "held_out_every", "seed", "ckpt_every", "draft_vocab"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default=d.save_dtype)
+    p.add_argument("--feature-layers", type=int, nargs="+", default=None, metavar="LAYER",
+                   help="EAGLE-3's fused features: the head reads these decoder layers' outputs (e.g. a low, a "
+                        "middle and a high one) instead of the target's final hidden state")
     p.add_argument("--init-head", default=None, metavar="DIR",
                    help="start from this exported head (e.g. models/smollm2-135m-eagle) instead of the target's last layer")
     add_run_options(p, d)

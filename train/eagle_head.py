@@ -12,6 +12,9 @@ embed and lm_head are the target's (frozen, shared, not saved), and so is its ro
 (rope_theta / rope scaling exactly as the target's). out_p stands in for h_{p+1}, so the head chains:
 its next step, at position p + 1, takes (out_p, the token just drafted).
 
+With feature layers (EAGLE-3's fused features), h_p is fuse(cat(the outputs of those decoder layers
+at p)), fuse: [L*H -> H], for the target's features; chained steps take the head's own output.
+
 With a draft vocabulary (EAGLE-3's reduced vocabulary), logits are lm_head's rows of those tokens
 only: on a small target the full LM head is most of the head's cost (49152 x 576 against a 4M
 parameter layer for SmolLM2-135M), and the few thousand tokens its answers use cover ~99% of them.
@@ -28,6 +31,8 @@ from train.common import TrainError
 
 HEAD_FORMAT = 1
 FEATURE = "final_norm_hidden"
+FUSED = "fused_layers"
+FUSE_TENSOR = "fuse.weight"
 HEAD_TENSORS = ("fc.weight", "layer.input_layernorm.weight", "layer.self_attn.q_proj.weight",
                 "layer.self_attn.k_proj.weight", "layer.self_attn.v_proj.weight", "layer.self_attn.o_proj.weight",
                 "layer.post_attention_layernorm.weight", "layer.mlp.gate_proj.weight", "layer.mlp.up_proj.weight",
@@ -35,8 +40,9 @@ HEAD_TENSORS = ("fc.weight", "layer.input_layernorm.weight", "layer.self_attn.q_
 DRAFT_VOCAB = "draft_vocab"   # optional int64 tensor: the token ids the head may draft, ascending
 
 
-def head_config(target, unroll: int = 1, dtype: str = "bfloat16") -> dict:
+def head_config(target, unroll: int = 1, dtype: str = "bfloat16", feature_layers: list[int] | None = None) -> dict:
     """config.json of a head for this target: the target's config, as one plain Llama layer."""
+    layers = check_feature_layers(target, feature_layers)
     config = target.config.to_dict()
     config.pop("layer_types", None)   # per-layer lists of the target's depth
     config.update(architectures=["EagleHead"], model_type="llama", num_hidden_layers=1, attention_bias=False,
@@ -44,12 +50,30 @@ def head_config(target, unroll: int = 1, dtype: str = "bfloat16") -> dict:
                   eagle={"format": HEAD_FORMAT, "feature": FEATURE, "unroll": unroll,
                          "target_hidden_size": target.config.hidden_size,
                          "target_vocab_size": target.config.vocab_size})
+    if layers:
+        config["eagle"].update(feature=FUSED, feature_layers=layers)
     return config
 
 
-def target_features(target, input_ids: torch.Tensor) -> torch.Tensor:
-    """h [B, T, H]: the target's final-norm hidden states (its logits are lm_head(h))."""
-    return target.get_decoder()(input_ids=input_ids).last_hidden_state
+def check_feature_layers(target, layers) -> list[int]:
+    """Distinct decoder layers below the last, sorted (the order their outputs are concatenated in)."""
+    count = target.config.num_hidden_layers
+    layers = sorted(int(i) for i in (layers or []))
+    if any(not 0 <= i < count - 1 for i in layers) or len(set(layers)) != len(layers):
+        raise TrainError(f"feature layers must be distinct decoder layers in [0, {count - 1}) of this "
+                         f"{count}-layer target (the last one's output is the final hidden state); got {layers}")
+    return layers
+
+
+def target_features(target, input_ids: torch.Tensor, feature_layers=()) -> torch.Tensor:
+    """[B, T, H]: the target's final-norm hidden states h (its logits are lm_head(h)); with feature
+    layers, [B, T, L*H + H]: those layers' outputs, concatenated, then h (EagleHeadTrainer.head_input
+    and .final take them apart)."""
+    if not feature_layers:
+        return target.get_decoder()(input_ids=input_ids).last_hidden_state
+    out = target.get_decoder()(input_ids=input_ids, output_hidden_states=True)
+    # hidden_states[i + 1] is layer i's output for every layer but the last (whose entry is normed)
+    return torch.cat([out.hidden_states[i + 1] for i in feature_layers] + [out.last_hidden_state], dim=-1)
 
 
 class EagleHeadTrainer(nn.Module):
@@ -63,8 +87,10 @@ class EagleHeadTrainer(nn.Module):
         super().__init__()
         check_target(target)
         eagle = config.get("eagle") or {}
-        if eagle.get("format") != HEAD_FORMAT or eagle.get("feature") != FEATURE:
-            raise TrainError(f"not an EAGLE head config of format {HEAD_FORMAT} (feature {FEATURE!r})")
+        if eagle.get("format") != HEAD_FORMAT or eagle.get("feature") not in (FEATURE, FUSED) or \
+                (eagle["feature"] == FUSED) != bool(eagle.get("feature_layers")):
+            raise TrainError(f"not an EAGLE head config of format {HEAD_FORMAT} (feature {FEATURE!r}, or {FUSED!r} "
+                             "with feature_layers)")
         hidden = config["hidden_size"]
         if hidden != target.config.hidden_size or eagle.get("target_vocab_size") != target.config.vocab_size:
             raise TrainError(f"the head was made for a target with hidden size {hidden} and "
@@ -73,6 +99,10 @@ class EagleHeadTrainer(nn.Module):
         self.head_config = config
         llama = LlamaConfig.from_dict({k: v for k, v in config.items() if k != "eagle"})
         llama._attn_implementation = "eager"
+        self.feature_layers = check_feature_layers(target, eagle.get("feature_layers"))
+        self.hidden_size = hidden
+        if self.feature_layers:
+            self.fuse = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layer = LlamaDecoderLayer(llama, layer_idx=0)
         self.norm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
@@ -96,13 +126,17 @@ class EagleHeadTrainer(nn.Module):
     # ---------------------------------------------------------------- construction / io
 
     @classmethod
-    def from_target(cls, target, unroll: int = 1) -> "EagleHeadTrainer":
+    def from_target(cls, target, unroll: int = 1, feature_layers: list[int] | None = None) -> "EagleHeadTrainer":
         """fc = [I, 0] (the feature passes through), the layer and norm copied from the target's last
-        decoder layer and final norm (biases and q/k norms, if the target has them, are dropped)."""
-        head = cls(head_config(target, unroll), target).float()
+        decoder layer and final norm (biases and q/k norms, if the target has them, are dropped);
+        with feature layers, fuse passes the highest one through."""
+        head = cls(head_config(target, unroll, feature_layers=feature_layers), target).float()
         hidden = target.config.hidden_size
         last = target.get_decoder().layers[-1].state_dict()
         with torch.no_grad():
+            if head.feature_layers:
+                head.fuse.weight.zero_()
+                head.fuse.weight[:, -hidden:].copy_(torch.eye(hidden))
             head.fc.weight.zero_()
             head.fc.weight[:, :hidden].copy_(torch.eye(hidden))
             head.layer.load_state_dict({k: last[k].float() for k in head.layer.state_dict()}, strict=True)
@@ -120,7 +154,7 @@ class EagleHeadTrainer(nn.Module):
         head = cls(json.loads((path / "config.json").read_text()), target).float()
         tensors = load_file(str(path / "model.safetensors"))
         vocab = tensors.pop(DRAFT_VOCAB, None)
-        missing, extra = set(HEAD_TENSORS) - set(tensors), set(tensors) - set(HEAD_TENSORS)
+        missing, extra = set(head.tensor_names) - set(tensors), set(tensors) - set(head.tensor_names)
         if missing or extra:
             raise TrainError(f"{path}: head tensors missing {sorted(missing)}, unexpected {sorted(extra)}")
         head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
@@ -138,15 +172,30 @@ class EagleHeadTrainer(nn.Module):
         config = dict(self.head_config, dtype=str(dtype).replace("torch.", ""))
         (path / "config.json").write_text(json.dumps(config, indent=2))
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items() if k != DRAFT_VOCAB}
-        assert tuple(sorted(tensors)) == tuple(sorted(HEAD_TENSORS)), sorted(tensors)
+        assert tuple(sorted(tensors)) == tuple(sorted(self.tensor_names)), sorted(tensors)
         if self.draft_vocab is not None:
             tensors[DRAFT_VOCAB] = self.draft_vocab.detach().cpu().contiguous()
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return HEAD_TENSORS + ((FUSE_TENSOR,) if self.feature_layers else ())
+
     # ---------------------------------------------------------------- forward pieces
+
+    def head_input(self, features: torch.Tensor) -> torch.Tensor:
+        """What the head's first step takes of target_features' output: the final hidden state, or
+        the fused layers."""
+        return features[..., :-self.hidden_size] if self.feature_layers else features
+
+    def final(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's final hidden state in target_features' output (the teacher's logits come from it)."""
+        return features[..., -self.hidden_size:]
 
     def _input(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         embedded = self._shared["embed"](tokens)
+        if feature.shape[-1] != self.hidden_size:   # the target's fused layers (chained steps feed their own)
+            feature = self.fuse(feature.to(embedded.dtype))
         return self.fc(torch.cat((feature.to(embedded.dtype), embedded), dim=-1))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +235,7 @@ class EagleHeadTrainer(nn.Module):
         keys at positions 0..t and to steps 2..j of its own anchor, as the head's KV cache holds at
         inference. Rows whose token runs past T are fed the pad token 0 (their results are unused)."""
         b, t = input_ids.shape
-        layer, outs, feature = self.layer, [], features
+        layer, outs, feature = self.layer, [], self.head_input(features)
         base = torch.arange(t, device=input_ids.device).expand(b, t)
         keys = values = None
         extra: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -211,8 +260,8 @@ class EagleHeadTrainer(nn.Module):
         return torch.nn.functional.linear(hidden, self.lm_head_weight.to(hidden.dtype))
 
     def target_logits(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's own logits over its whole vocabulary."""
-        return self._shared["lm_head"](features)
+        """The target's own logits over its whole vocabulary (features: target_features' output)."""
+        return self._shared["lm_head"](self.final(features))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -228,7 +277,7 @@ class EagleHeadTrainer(nn.Module):
         row p from (features[p], next_tokens[p]) at position p. The reference the unrolled forward
         (at step 1) and the engine's head are checked against."""
         b, t = next_tokens.shape
-        u = self._input(features, next_tokens)
+        u = self._input(self.head_input(features), next_tokens)
         cos, sin = self._rope(torch.arange(t, device=u.device).expand(b, t))
         mask = torch.full((t, t), float("-inf"), device=u.device).triu(1)[None, None]
         return self.norm(self.layer(u, attention_mask=mask, position_embeddings=(cos, sin)))
@@ -238,7 +287,7 @@ def head_logits_teacher_forced(head: EagleHeadTrainer, target, input_ids: torch.
     """Step-1 head logits, teacher-forced, no unroll: for input_ids [B, T], logits [B, T - 1, V] whose
     row p comes from (h_p, x_{p+1}) at position p and predicts x_{p+2} (the last position has no next
     token, so it has no row). Plain fp32 transformers ops; for parity tests against the engine."""
-    features = target_features(target, input_ids)
+    features = target_features(target, input_ids, head.feature_layers)
     return head.logits(head.plain_forward(features[:, :-1], input_ids[:, 1:]))
 
 

@@ -11,6 +11,11 @@ out_p stands in for the target's feature h_{p+1}, so the head chains: its next s
 (out_p, the token it just drafted). The embedding table and the LM head are the target's,
 shared and frozen; the head directory holds only fc, the layer and the norm (a few MB).
 
+EAGLE-3's fused features ("feature": "fused_layers"): the target's feature at p is instead the
+outputs of a few of its decoder layers (a low, a middle and a high one, "feature_layers"),
+concatenated, and a `fuse` linear [L*H -> H] maps them to h_p before fc. Chained steps take the
+head's own out_p as h_{p+1} directly, as EAGLE-3 does.
+
 The head directory (written by `specserve distill --head eagle`, train/eagle.py):
   config.json        the target's config with "architectures": ["EagleHead"], "num_hidden_layers": 1,
                      and an "eagle" block {"format": 1, "feature": "final_norm_hidden", ...}
@@ -34,6 +39,7 @@ from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
 
 HEAD_FORMAT = 1
 FEATURE = "final_norm_hidden"
+FUSED = "fused_layers"
 DRAFT_VOCAB = "draft_vocab"
 PLAIN_LAYER = {"qkv_bias": False, "o_bias": False, "mlp_bias": False, "qk_norm": False}
 
@@ -54,6 +60,9 @@ class EagleHead(nn.Module):
         self.vocab_size = target.vocab_size
         self.max_position_embeddings = target.max_position_embeddings
         self.sliding_window = None
+        self.feature_layers = list(config.eagle.get("feature_layers") or [])   # empty: the final hidden state
+        if self.feature_layers:
+            self.fuse = nn.Linear(len(self.feature_layers) * config.hidden_size, config.hidden_size, bias=False)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layer = DecoderLayer(config, self.head_dim, PLAIN_LAYER)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -92,8 +101,11 @@ class EagleHead(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], features: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T]; features [T, H] (the feature before each token) -> [T, H]."""
+        """input_ids, positions [T]; features [T, H] (the feature before each token: the target's,
+        or the head's own outputs while it chains) or [T, L*H] (the target's fused layers) -> [T, H]."""
         embedded = self._shared["embed"](input_ids)
+        if features.shape[-1] != self.hidden_size:
+            features = self.fuse(features.to(embedded.dtype))
         hidden = self.fc(torch.cat((features.to(embedded.dtype), embedded), dim=-1))
         cos, sin = self.rotary_emb(positions)
         hidden, residual = self.layer(hidden, None, cos, sin, kv_caches[0], meta)
@@ -120,9 +132,12 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: tor
 
     config = load_hf_config(path)
     eagle = getattr(config, "eagle", None)
-    if not isinstance(eagle, dict) or eagle.get("format") != HEAD_FORMAT or eagle.get("feature") != FEATURE:
+    if not isinstance(eagle, dict) or eagle.get("format") != HEAD_FORMAT or eagle.get("feature") not in (FEATURE, FUSED):
         raise ValueError(f"{path!r} is not an EAGLE head of format {HEAD_FORMAT} (its config.json needs "
-                         f'"eagle": {{"format": {HEAD_FORMAT}, "feature": "{FEATURE}"}})')
+                         f'"eagle": {{"format": {HEAD_FORMAT}, "feature": "{FEATURE}" or "{FUSED}"}})')
+    if (eagle["feature"] == FUSED) != bool(eagle.get("feature_layers")):
+        raise ValueError(f"the EAGLE head in {path!r}: feature {eagle['feature']!r} "
+                         f"{'needs' if eagle['feature'] == FUSED else 'takes no'} feature_layers")
     if config.hidden_size != target.hidden_size or eagle.get("target_vocab_size", target.vocab_size) != target.vocab_size:
         raise ValueError(f"the EAGLE head in {path!r} was trained for a target with hidden size {config.hidden_size} "
                          f"and {eagle.get('target_vocab_size')} tokens; this target has {target.hidden_size} and "
@@ -140,4 +155,6 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: tor
                          f"({None if vocab is None else len(vocab)} tokens)")
     if vocab is not None:
         head.set_draft_vocab(vocab)
+    if head.feature_layers:   # the target must capture them; it says which layers it has
+        target.set_feature_layers(head.feature_layers)
     return head.eval()

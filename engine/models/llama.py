@@ -236,13 +236,21 @@ class LlamaModel(nn.Module):
                                     for window in layer_sliding_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
+        # EAGLE-3-style fused features: the residual stream after these layers, concatenated, is
+        # left in self.captured by every forward (CausalLM.set_feature_layers); none by default.
+        self.feature_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(self, input_ids, positions, meta, kv_caches):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        residual, captured = None, []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+            if index in self.feature_layers:
+                captured.append(hidden + residual)   # the layer's output: the pre-norm residual stream
+        if captured:
+            self.captured = torch.cat(captured, dim=-1)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -323,6 +331,25 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
         return self.lm_head(hidden).float()
+
+    def set_feature_layers(self, layers: list[int]) -> None:
+        """Make every forward also capture the outputs of these decoder layers (EAGLE-3's low, middle
+        and high features) for `features`; the last layer's output is the final hidden state's
+        input, so fused heads take layers below it."""
+        if not layers or any(not 0 <= i < self.num_layers - 1 for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"feature layers must be distinct decoder layers in [0, {self.num_layers - 1}) of this "
+                             f"{self.num_layers}-layer target; got {list(layers)}")
+        self.model.feature_layers = tuple(sorted(layers))
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the features a proposer reads (features): the final hidden state, or the fused layers."""
+        return self.hidden_size * max(1, len(self.model.feature_layers))
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The features of the last forward's rows: its final hidden states (`hidden`), or with
+        feature layers, their fused outputs."""
+        return self.model.captured if self.model.feature_layers else hidden
 
 
 def use_fused_cpu_ops(model: nn.Module) -> None:
