@@ -152,6 +152,25 @@ def test_bad_draft_vocabularies_fail_at_start_up(paths, tmp_path):
         Engine(EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, head=str(head))))
 
 
+def record_features(engine: Engine, proposer: EagleProposer, tag=lambda: None) -> list:
+    """Every feature span the head is fed from now on, as (tag(), request id, start, end, features)."""
+    seen, batch_ids = [], []
+    catch_up, read = proposer._catch_up, engine.target.read_features
+
+    def recording_catch_up(items):
+        batch_ids[:] = [item.request.request_id for item in items]
+        return catch_up(items)
+
+    def recording_read(spans):
+        features = read(spans)
+        offsets = np.cumsum([0] + [end - start for _, start, end in spans])
+        seen.extend((tag(), rid, start, end, features[offset:offset + end - start].clone())
+                    for rid, (_, start, end), offset in zip(batch_ids, spans, offsets))
+        return features
+    proposer._catch_up, engine.target.read_features = recording_catch_up, recording_read
+    return seen
+
+
 def test_the_head_reads_the_targets_features_at_the_right_positions(paths, prompts, plain_greedy):
     """Every feature the head is fed equals transformers' final (normed) hidden state of the target at
     that position of the request's final token sequence: after prefill chunks, rollbacks (partial
@@ -164,26 +183,13 @@ def test_the_head_reads_the_targets_features_at_the_right_positions(paths, promp
     proposer = engine.proposer.proposers["eagle"]
     truth = {tuple(p): out + [0] * 16 for p, out in zip(prompts, plain_greedy)}
     TruthfulDrafts(proposer, truth, alpha=0.6)
-    seen, batch_ids = [], []   # (run, request id, start, end, features fed)
-    catch_up, read, preempt, match = (proposer._catch_up, engine.target.read_features, engine.scheduler._preempt,
-                                      engine.pool.match_prefix)
-
-    def recording_catch_up(items):
-        batch_ids[:] = [item.request.request_id for item in items]
-        return catch_up(items)
-
-    def recording_read(spans):
-        features = read(spans)
-        offsets = np.cumsum([0] + [end - start for _, start, end in spans])
-        for rid, (_, start, end), offset in zip(batch_ids, spans, offsets):
-            seen.append((len(runs), rid, start, end, features[offset:offset + end - start].clone()))
-        return features
+    runs = []
+    seen = record_features(engine, proposer, lambda: len(runs))
+    preempt, match = engine.scheduler._preempt, engine.pool.match_prefix
     preempted, hits = [], []
-    proposer._catch_up, engine.target.read_features = recording_catch_up, recording_read
     engine.scheduler._preempt = lambda request, out: (preempted.append(request.request_id), preempt(request, out))
     engine.pool.match_prefix = lambda ids: (lambda blocks: (hits.append(len(blocks)), blocks)[1])(match(ids))
 
-    runs = []
     for batch in (prompts, prompts[-1:], prompts[-1:]):   # the last prompt alone twice: a prefix-cache hit
         outputs = run(config, batch, engine=engine)[0]
         runs.append((batch, outputs))
@@ -371,20 +377,7 @@ def test_a_fused_feature_head_reads_its_layers_and_stays_lossless(fused, prompts
     assert engine.target.features.shape[1] == 3 * engine.target.model.hidden_size
     proposer = engine.proposer.proposers["eagle"]
     TruthfulDrafts(proposer, {tuple(p): out + [0] * 16 for p, out in zip(prompts, plain)}, alpha=0.6)
-    seen, batch_ids = [], []
-    catch_up, read = proposer._catch_up, engine.target.read_features
-
-    def recording_catch_up(items):
-        batch_ids[:] = [item.request.request_id for item in items]
-        return catch_up(items)
-
-    def recording_read(spans):
-        features = read(spans)
-        offsets = np.cumsum([0] + [end - start for _, start, end in spans])
-        seen.extend((rid, start, end, features[offset:offset + end - start].clone())
-                    for rid, (_, start, end), offset in zip(batch_ids, spans, offsets))
-        return features
-    proposer._catch_up, engine.target.read_features = recording_catch_up, recording_read
+    seen = record_features(engine, proposer)
     outputs, engine = run(config, prompts, engine=engine)
     assert outputs == plain and 0.2 < engine.totals.acceptance_rate < 0.95
 
@@ -394,7 +387,7 @@ def test_a_fused_feature_head_reads_its_layers_and_stays_lossless(fused, prompts
                   for i, (p, o) in enumerate(zip(prompts, outputs))}
     expected = {rid: torch.cat([hs[layer + 1][0] for layer in FUSED_LAYERS], dim=-1) for rid, hs in states.items()}
     assert len(seen) > 30
-    for rid, start, end, features in seen:
+    for _, rid, start, end, features in seen:
         torch.testing.assert_close(features, expected[rid][start:end], atol=2e-4, rtol=1e-4)
 
 
