@@ -7,7 +7,7 @@ rate always worth 4 judged tokens, however alike finished requests were), long e
 (idle requests draw optimistic rates only until they judged 4 tokens, not 16), or shared probes
 (every probe priced and charged as if alone in its pass, at most one per eight requests a step).
 Throughput as a ratio to plain decoding, over --repeats lock-step runs (each with its own prompts)
-after an untimed one.
+after an untimed one; under it, what each adaptive engine chose (bench_spec.ChoiceLog).
 
     python bench/ablate_controller.py --alpha 0.9 --batch 16 [--repeats 2] [--gammas 2,4] [--without "no hurdle"]
 
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.new_tokens)
     print(f"alpha {args.alpha}, batch {args.batch}, {args.repeats} lock-step runs: "
           + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in {"plain": 1.0, **ratios}.items()))
+    for name, choices in oracle_cell.choices.items():
+        print(f"  {name}: {choices}")
     return 0
 
 

@@ -207,14 +207,17 @@ def oracle_cell(llms: dict, continuations: dict, sets: list[list[list[int]]], al
         prompts = sets[seed]
         return lockstep_throughput(llms, prompts, new_tokens, [continuations[tuple(p)] for p in prompts], seed)
     run(0)
-    choices = {name: ChoiceLog(llms[name].engine) for name in ADAPTIVE if name in llms}
+    choices = {name: ChoiceLog(llm.engine) for name, llm in llms.items() if is_adaptive(llm)}
     runs = [run(seed) for seed in range(1, len(sets))]
     rate = {name: len(runs) / sum(1 / run[name] for run in runs) for name in llms}   # tokens / total time
     oracle_cell.choices = {name: log.close() for name, log in choices.items()}
     return {name: tps / rate["plain"] for name, tps in rate.items() if name != "plain"}, rate["plain"]
 
 
-ADAPTIVE = ("adaptive", "fresh")
+def is_adaptive(llm: LLM) -> bool:
+    """A speculative engine whose controller plans (plain engines have a controller without proposers)."""
+    controller = llm.engine.controller
+    return bool(controller.methods and controller.adaptive)
 
 
 class ChoiceLog:
