@@ -27,17 +27,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.models.eagle import DRAFT_VOCAB, FEATURE, FUSED, HEAD_FORMAT   # the format both sides share
+from engine.models.llama import check_feature_layers as check_layers
 from train.common import TrainError
 
-HEAD_FORMAT = 1
-FEATURE = "final_norm_hidden"
-FUSED = "fused_layers"
 FUSE_TENSOR = "fuse.weight"
 HEAD_TENSORS = ("fc.weight", "layer.input_layernorm.weight", "layer.self_attn.q_proj.weight",
                 "layer.self_attn.k_proj.weight", "layer.self_attn.v_proj.weight", "layer.self_attn.o_proj.weight",
                 "layer.post_attention_layernorm.weight", "layer.mlp.gate_proj.weight", "layer.mlp.up_proj.weight",
                 "layer.mlp.down_proj.weight", "norm.weight")
-DRAFT_VOCAB = "draft_vocab"   # optional int64 tensor: the token ids the head may draft, ascending
 
 
 def head_config(target, unroll: int = 1, dtype: str = "bfloat16", feature_layers: list[int] | None = None) -> dict:
@@ -56,13 +54,11 @@ def head_config(target, unroll: int = 1, dtype: str = "bfloat16", feature_layers
 
 
 def check_feature_layers(target, layers) -> list[int]:
-    """Distinct decoder layers below the last, sorted (the order their outputs are concatenated in)."""
-    count = target.config.num_hidden_layers
-    layers = sorted(int(i) for i in (layers or []))
-    if any(not 0 <= i < count - 1 for i in layers) or len(set(layers)) != len(layers):
-        raise TrainError(f"feature layers must be distinct decoder layers in [0, {count - 1}) of this "
-                         f"{count}-layer target (the last one's output is the final hidden state); got {layers}")
-    return layers
+    """The engine's rule (engine.models.llama.check_feature_layers) as a TrainError; [] for none."""
+    try:
+        return list(check_layers(layers or [], target.config.num_hidden_layers))
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
 
 
 def target_features(target, input_ids: torch.Tensor, feature_layers=()) -> torch.Tensor:

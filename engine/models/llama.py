@@ -334,12 +334,10 @@ class CausalLM(nn.Module):
 
     def set_feature_layers(self, layers: list[int]) -> None:
         """Make every forward also capture the outputs of these decoder layers (EAGLE-3's low, middle
-        and high features) for `features`; the last layer's output is the final hidden state's
-        input, so fused heads take layers below it."""
-        if not layers or any(not 0 <= i < self.num_layers - 1 for i in layers) or len(set(layers)) != len(layers):
-            raise ValueError(f"feature layers must be distinct decoder layers in [0, {self.num_layers - 1}) of this "
-                             f"{self.num_layers}-layer target; got {list(layers)}")
-        self.model.feature_layers = tuple(sorted(layers))
+        and high features) for `features`."""
+        if not layers:
+            raise ValueError("set_feature_layers needs at least one decoder layer")
+        self.model.feature_layers = check_feature_layers(layers, self.num_layers)
 
     @property
     def feature_size(self) -> int:
@@ -350,6 +348,18 @@ class CausalLM(nn.Module):
         """The features of the last forward's rows: its final hidden states (`hidden`), or with
         feature layers, their fused outputs."""
         return self.model.captured if self.model.feature_layers else hidden
+
+
+def check_feature_layers(layers, num_layers: int) -> tuple[int, ...]:
+    """Fused-feature layers, sorted (the order their outputs are concatenated in): distinct decoder
+    layers below the last, whose output is the final hidden state's input. ValueError otherwise.
+    The engine and the trainer (train/eagle_head.py) hold heads to this one rule."""
+    layers = tuple(sorted(int(i) for i in layers))
+    if any(not 0 <= i < num_layers - 1 for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"feature layers must be distinct decoder layers in [0, {num_layers - 1}) of this "
+                         f"{num_layers}-layer target (the last one's output is the final hidden state); "
+                         f"got {list(layers)}")
+    return layers
 
 
 def use_fused_cpu_ops(model: nn.Module) -> None:
