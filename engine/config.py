@@ -71,7 +71,9 @@ class SpeculativeConfig:
                                  "(speculative.head)")
             if not is_eagle_head(self.head):
                 raise ValueError(f"speculative head {self.head!r} is not an EAGLE head directory (config.json "
-                                 "with an \"eagle\" block, from `specserve distill --head eagle`)")
+                                 "with an \"eagle\" block, from `specserve distill --head eagle`, or a "
+                                 "published EAGLE-3 head, \"architectures\": [\"LlamaForCausalLMEagle3\"]; "
+                                 "the speculators format, Eagle3Speculator, is not supported)")
         if "ngram" in self.proposers and not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if "suffix" in self.proposers:

@@ -44,10 +44,12 @@ DRAFT_VOCAB = "draft_vocab"
 PLAIN_LAYER = {"qkv_bias": False, "o_bias": False, "mlp_bias": False, "qk_norm": False}
 
 
-class EagleHead(nn.Module):
-    """The head over a loaded target. Looks like a one-layer model to ModelRunner (num_layers,
+class SelfDraftingHead(nn.Module):
+    """What every head shares: it looks like a one-layer model to ModelRunner (num_layers,
     num_kv_heads, head_dim, vocab_size, compute_logits), with the target's features as an extra
-    input of forward."""
+    input of forward, and it borrows the target's embedding table (and LM head) without owning them."""
+
+    tie_word_embeddings = False   # for the strict loader: the head has no LM head of its own to tie
 
     def __init__(self, config, target: CausalLM):
         super().__init__()
@@ -60,24 +62,42 @@ class EagleHead(nn.Module):
         self.vocab_size = target.vocab_size
         self.max_position_embeddings = target.max_position_embeddings
         self.sliding_window = None
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, target.max_position_embeddings)
+        # The target's, not ours: kept out of state_dict so that loading and saving see the head only.
+        # Its LM head is looked up at each call: serving swaps the target's linears for packed ones.
+        self._shared = {"embed": target.model.embed_tokens, "target": target}
+
+    def tie_weights(self) -> None:
+        pass
+
+    def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers(device, dtype)
+
+
+def scatter_draft_logits(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary [n, len(token_ids)] -> [n, vocab_size] float32, -inf elsewhere
+    (the proposal gives the tokens outside it no mass)."""
+    logits = small.new_full((len(small), vocab_size), float("-inf"), dtype=torch.float32)
+    return logits.index_copy_(1, token_ids, small.float())
+
+
+class EagleHead(SelfDraftingHead):
+    """Our own format (the module docstring), as `specserve distill --head eagle` trains it."""
+
+    extra_tensors = (DRAFT_VOCAB,)   # read by load_eagle_head, not the weight loader
+
+    def __init__(self, config, target: CausalLM):
+        super().__init__(config, target)
         self.feature_layers = list(config.eagle.get("feature_layers") or [])   # empty: the final hidden state
         if self.feature_layers:
             self.fuse = nn.Linear(len(self.feature_layers) * config.hidden_size, config.hidden_size, bias=False)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layer = DecoderLayer(config, self.head_dim, PLAIN_LAYER)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, target.max_position_embeddings)
-        # The target's, not ours: kept out of state_dict so that loading and saving see the head only.
-        # Its LM head is looked up at each call: serving swaps the target's linears for packed ones.
-        self._shared = {"embed": target.model.embed_tokens, "target": target}
         self.draft_vocab: torch.Tensor | None = None   # token ids the head drafts (None: all)
         self.draft_lm_head: nn.Linear | None = None    # their rows of the target's LM head
-
-    tie_word_embeddings = False   # for the strict loader: the head has no LM head of its own to tie
-    extra_tensors = (DRAFT_VOCAB,)   # read by load_eagle_head, not the weight loader
-
-    def tie_weights(self) -> None:
-        pass
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Draft only these tokens. Call it before the target's linears are packed: it copies their
@@ -93,11 +113,6 @@ class EagleHead(nn.Module):
         self.draft_lm_head = nn.Linear(self.hidden_size, len(ids), bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.draft_lm_head.weight.copy_(weight[self.draft_vocab])
-
-    def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
-        for module in self.modules():
-            if module is not self and hasattr(module, "init_buffers"):
-                module.init_buffers(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], features: torch.Tensor) -> torch.Tensor:
@@ -116,19 +131,25 @@ class EagleHead(nn.Module):
         """[n, target vocab]; with a draft vocabulary, -inf outside it (q gives those tokens no mass)."""
         if self.draft_vocab is None:
             return self._shared["target"].lm_head(hidden).float()
-        small = self.draft_lm_head(hidden).float()
-        logits = small.new_full((len(hidden), self.vocab_size), float("-inf"))
-        return logits.index_copy_(1, self.draft_vocab, small)
+        return scatter_draft_logits(self.draft_lm_head(hidden), self.draft_vocab, self.vocab_size)
 
 
 def is_eagle_head(path) -> bool:
+    """Our own head directory, or a published EAGLE-3 one (engine/models/eagle3.py)."""
+    from engine.models.eagle3 import is_published_eagle3
+
     config = Path(path) / "config.json"
-    return config.is_file() and "eagle" in json.loads(config.read_text())
+    return config.is_file() and ("eagle" in json.loads(config.read_text()) or is_published_eagle3(path))
 
 
-def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device) -> EagleHead:
-    """Load a head directory strictly (every tensor named above, nothing else) for this target."""
+def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device) -> SelfDraftingHead:
+    """Load a head directory strictly (every tensor named above, nothing else) for this target; a
+    published EAGLE-3 head through engine/models/eagle3.py."""
+    from engine.models.eagle3 import is_published_eagle3, load_published_eagle3
     from engine.models.loader import load_hf_config, load_weights, open_checkpoint
+
+    if is_published_eagle3(path):
+        return load_published_eagle3(path, target, dtype, device)
 
     config = load_hf_config(path)
     eagle = getattr(config, "eagle", None)

@@ -73,8 +73,8 @@ def weight_files(path) -> list[Path]:
     single = directory / "model.safetensors"
     if single.is_file():
         return [single]
-    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r} "
-                     "(only safetensors checkpoints are supported)")
+    raise ValueError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in "
+                     f"{str(path)!r} (safetensors checkpoints, single-file .bin ones and GGUF files are supported)")
 
 
 def token_vocabulary(path) -> list[str] | None:
@@ -133,9 +133,28 @@ class SafetensorsCheckpoint:
                     yield key, f.get_tensor(key)
 
 
-def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint:
+class TorchBinCheckpoint:
+    """A single pytorch_model.bin, as some published EAGLE heads ship: read with weights_only, so
+    the pickle can hold tensors only."""
+
+    def __init__(self, file: Path):
+        self.state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+
+    def tensor_names(self):
+        return self.state.keys()
+
+    def tensors(self):
+        yield from self.state.items()
+
+
+def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint | TorchBinCheckpoint:
     gguf_file = find_gguf(path)
-    return open_gguf(gguf_file) if gguf_file is not None else SafetensorsCheckpoint(weight_files(path))
+    if gguf_file is not None:
+        return open_gguf(gguf_file)
+    pickled = Path(path) / "pytorch_model.bin"
+    if pickled.is_file() and not list(Path(path).glob("model*.safetensors*")):
+        return TorchBinCheckpoint(pickled)
+    return SafetensorsCheckpoint(weight_files(path))
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
