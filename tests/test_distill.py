@@ -253,6 +253,71 @@ def test_generate_then_distill_resumes_the_answers(chat_target, tmp_path):
     assert stats["data"]["conversations"] == 10 and (tmp_path / "d" / "responses.jsonl").exists()
 
 
+def test_generate_self_instruct_keeps_the_turns_the_target_ended_and_resumes(chat_target, tmp_path, monkeypatch):
+    """--prompts self: the target writes user turns after the template's user prefix (scripted here:
+    the sampling itself is the engine's); turns it did not end, too short, or already written are
+    dropped; the kept ones are answered, a quarter get a follow-up written after the answer, and a
+    rerun writes and answers nothing twice."""
+    from transformers import AutoTokenizer
+
+    from train import generate
+    from train.common import read_jsonl
+
+    texts = {"self-0-0": ("How do I bake rye bread at home?", True),
+             "self-0-1": ("Write a haiku about the sea and the wind", True),
+             "self-0-2": ("Tell me everything about everything and then", False),   # not ended
+             "self-0-3": ("hi there", True),                                        # too short
+             "self-0-4": ("How do I bake rye bread at home?", True),                # written already
+             "self-0-5": ("Explain how a bicycle gear works", True),
+             "self-0-6": ("What should I pack for a rainy hike?", True),
+             "self-0-7": ("List three uses of vinegar in cleaning", True)}
+    calls = []
+
+    def scripted(self, prefixes, row_ids):
+        calls.append((prefixes, row_ids))
+        return [texts.get(row_id, ("And what about winter instead?", True)) for row_id in row_ids]
+    monkeypatch.setattr(generate.Generator, "_sample_user_turns", scripted)
+    answers = tmp_path / "answers.jsonl"
+    argv = ["--target", str(chat_target), "--out", str(answers), "--prompts", "self", "--count", "8",
+            "--max-tokens", "5"]
+    assert generate.main(argv) == 0
+
+    rows = {row["id"]: row for row in read_jsonl(answers)}
+    kept = ["self-0-0", "self-0-1", "self-0-5", "self-0-6", "self-0-7"]
+    assert [i for i in rows if i.startswith("self-")] == kept
+    for row_id in kept:
+        assert rows[row_id]["messages"][0] == {"role": "user", "content": texts[row_id][0]}
+        assert [m["role"] for m in rows[row_id]["messages"]] == ["user", "assistant"]
+    followups = [i for i in rows if i.startswith("followup-")]
+    assert len(followups) == 1 and followups[0].removeprefix("followup-") in kept
+    conversation = rows[followups[0]]["messages"]
+    assert [m["role"] for m in conversation] == ["user", "assistant", "user", "assistant"]
+    assert conversation[:2] == rows[followups[0].removeprefix("followup-")]["messages"]
+    assert conversation[2]["content"] == "And what about winter instead?"
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_target))
+    assert calls[0][0][0] == generate.user_turn_prefix(tokenizer, [])
+    assert calls[1][0][0] == generate.user_turn_prefix(tokenizer, conversation[:2])
+
+    before = (answers.read_text(), answers.with_name("answers.prompts.jsonl").read_text())
+    calls.clear()
+    assert generate.main(argv) == 0
+    assert not any(ids for _, ids in calls)
+    assert (answers.read_text(), answers.with_name("answers.prompts.jsonl").read_text()) == before
+
+
+def test_the_user_turn_prefix_is_the_template_up_to_the_users_text(chat_target):
+    from transformers import AutoTokenizer
+
+    from train.generate import user_turn_prefix
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_target))
+    context = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "an answer"}]
+    full = tokenizer.apply_chat_template(context + [{"role": "user", "content": "the request"}], tokenize=False)
+    prefix = tokenizer.decode(user_turn_prefix(tokenizer, context))
+    assert full.startswith(prefix) and full[len(prefix):].startswith("the request")
+    assert "an answer" in prefix
+
+
 def test_prompts_file_without_a_user_turn_is_a_clear_error(chat_target, tmp_path):
     from train.generate import main as generate_main
 

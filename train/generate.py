@@ -1,12 +1,21 @@
 """specserve generate: the target's own answers to a prompt set, as chat JSONL for `specserve distill`.
 
-    specserve generate --target MODEL --out runs/x/responses.jsonl [--prompts my_prompts.jsonl]
+    specserve generate --target MODEL --out runs/x/responses.jsonl [--prompts my_prompts.jsonl | self]
                        [--count 3000] [--max-tokens 320] [--greedy-fraction 0.5]
 
 Prompts come from a JSONL file (one {"messages": [...]} per line, the last message a user turn), or
 from the built-in broad set (train/prompts.py) when --prompts is not given. With the built-in set a
 second round follows: some conversations get a follow-up user turn, and the longest answers become
-documents to summarize or answer questions about. Each output line holds the conversation with
+documents to summarize or answer questions about.
+
+`--prompts self` has the target write the user turns too (self-instruct as Magpie does it): the
+chat template is rendered up to where a user's text would start, and the target, sampling at
+temperature 1, writes a request there and ends the turn itself; turns it does not end within
+USER_TURN_MAX_TOKENS, shorter than three words or already written are dropped. --count such
+conversations are answered, then a quarter of them get a follow-up turn written the same way after
+the answer. The requests cover whatever the target thinks users ask, far beyond a template set, so
+drafts trained on the answers meet fewer unfamiliar prompts. The written turns are kept in
+<out>.prompts.jsonl, so a resumed run writes none twice. Each output line holds the conversation with
 the target's answer appended, and the exact token ids (`prompt_token_ids`, `response_token_ids`)
 the engine used, so distillation trains on the target's own tokenization.
 
@@ -25,6 +34,20 @@ from pathlib import Path
 
 from train import prompts as builtin
 from train.common import TrainError, numbered_jsonl, read_jsonl
+
+
+SELF = "self"
+USER_TURN_MAX_TOKENS = 160
+USER_SLOT = "\x00user-turn\x00"
+
+
+def user_turn_prefix(tokenizer, context: list[dict]) -> list[int]:
+    """The chat template rendered after `context` up to where the next user message's text starts."""
+    text = tokenizer.apply_chat_template(context + [{"role": "user", "content": USER_SLOT}], tokenize=False)
+    if USER_SLOT not in text:
+        raise TrainError("the target's chat template does not show the user's text as given, so the target "
+                         "cannot write user turns (--prompts self)")
+    return tokenizer.encode(text[:text.index(USER_SLOT)], add_special_tokens=False)
 
 
 def user_prompts(path) -> list[dict]:
@@ -54,6 +77,40 @@ class Generator:
         self.greedy_fraction = greedy_fraction
         self.rng = random.Random(seed)
         self.done = {row["id"]: row for row in read_jsonl(out)} if out.exists() else {}
+        self.turns_file = out.with_name(out.stem + ".prompts.jsonl")
+        self.turns = {row["id"]: row["messages"] for row in read_jsonl(self.turns_file)} \
+            if self.turns_file.exists() else {}   # id -> the conversation ending in a written user turn, or None
+
+    def write_user_turns(self, wanted: list[tuple[str, list[dict]]], chunk: int = 256) -> list[dict]:
+        """For each (id, context): the target writes the next user turn (module docstring). Returns
+        the prompt rows of the turns kept, in order."""
+        todo = [(row_id, context) for row_id, context in wanted if row_id not in self.turns]
+        seen = {messages[-1]["content"] for messages in self.turns.values() if messages}
+        for i in range(0, len(todo), chunk):
+            batch = todo[i: i + chunk]
+            written = self._sample_user_turns([user_turn_prefix(self.tokenizer, context) for _, context in batch],
+                                              [row_id for row_id, _ in batch])
+            with open(self.turns_file, "a") as f:
+                for (row_id, context), (text, ended) in zip(batch, written):
+                    text = text.strip()
+                    keep = ended and len(text.split()) >= 3 and text not in seen
+                    seen.add(text)
+                    self.turns[row_id] = context + [{"role": "user", "content": text}] if keep else None
+                    f.write(json.dumps({"id": row_id, "messages": self.turns[row_id]}) + "\n")
+            kept = sum(self.turns[row_id] is not None for row_id, _ in todo[: i + len(batch)])
+            print(f"generate: {kept} of {i + len(batch)} user turns written kept", file=sys.stderr, flush=True)
+        return [{"id": row_id, "category": "self-instruct", "messages": self.turns[row_id]}
+                for row_id, _ in wanted if self.turns[row_id] is not None]
+
+    def _sample_user_turns(self, prefixes: list[list[int]], row_ids: list[str]) -> list[tuple[str, bool]]:
+        """(text, whether the target ended the turn itself) for each prefix; seeded per id."""
+        from engine import SamplingParams
+
+        params = [SamplingParams(max_tokens=USER_TURN_MAX_TOKENS, temperature=1.0, top_p=0.95,
+                                 seed=random.Random(f"user-{row_id}").randrange(2**31)) for row_id in row_ids]
+        outputs = self.llm.generate(prefixes, params)
+        return [(self.tokenizer.decode(o.token_ids, skip_special_tokens=True), o.finish_reason == "stop")
+                for o in outputs]
 
     def answer(self, rows: list[dict], chunk: int = 256) -> None:
         todo = [row for row in rows if row["id"] not in self.done]
@@ -108,13 +165,27 @@ def builtin_rounds(generator: Generator, count: int, seed: int) -> None:
     generator.answer(second)
 
 
+def self_instruct_rounds(generator: Generator, count: int, seed: int) -> None:
+    """Round one: `count` conversations whose user turn the target wrote. Round two: a follow-up turn,
+    written the same way, for a quarter of them."""
+    first = generator.write_user_turns([(f"self-{seed}-{i}", []) for i in range(count)])
+    generator.answer(first)
+    rng = random.Random(seed + 1)
+    answered = [generator.done[row["id"]] for row in first]
+    follow = rng.sample(answered, len(answered) // 4)
+    second = generator.write_user_turns([(f"followup-{row['id']}", row["messages"]) for row in follow])
+    generator.answer(second)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model (checkpoint directory or GGUF file)")
     p.add_argument("--out", required=True, help="output JSONL (appended to; existing ids are skipped)")
-    p.add_argument("--prompts", default=None, help="JSONL of {\"messages\": [...]} (default: the built-in set)")
-    p.add_argument("--count", type=int, default=3000, help="built-in prompts in round one")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL of {\"messages\": [...]}, or 'self': the target writes the user turns "
+                        "(default: the built-in set)")
+    p.add_argument("--count", type=int, default=3000, help="built-in or self-written prompts in round one")
     p.add_argument("--max-tokens", type=int, default=320)
     p.add_argument("--greedy-fraction", type=float, default=0.5,
                    help="share of prompts answered greedily; the rest at temperature 0.7, top-p 0.95")
@@ -128,14 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        prompts = user_prompts(args.prompts) if args.prompts else None
+        prompts = user_prompts(args.prompts) if args.prompts not in (None, SELF) else None
         generator = Generator(args.target, out, args.max_tokens, args.greedy_fraction, args.seed, args.max_num_seqs)
+        if prompts is not None:
+            generator.answer(prompts)
+        elif args.prompts == SELF:
+            self_instruct_rounds(generator, args.count, args.seed)
+        else:
+            builtin_rounds(generator, args.count, args.seed)
     except TrainError as exc:
         raise SystemExit(f"specserve generate: error: {exc}") from None
-    if prompts is not None:
-        generator.answer(prompts)
-    else:
-        builtin_rounds(generator, args.count, args.seed)
     print(f"wrote {len(generator.done)} conversations to {out}")
     return 0
 
