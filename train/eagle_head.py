@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.models.eagle import DRAFT_VOCAB, FEATURE, FUSED, HEAD_FORMAT   # the format both sides share
+from engine.models.eagle import (DRAFT_VOCAB, FEATURE, FUSED, HEAD_FORMAT,   # the format both sides share
+                                 head_format_problem)
 from engine.models.llama import check_feature_layers as check_layers
 from train.common import TrainError
 
@@ -83,10 +84,9 @@ class EagleHeadTrainer(nn.Module):
         super().__init__()
         check_target(target)
         eagle = config.get("eagle") or {}
-        if eagle.get("format") != HEAD_FORMAT or eagle.get("feature") not in (FEATURE, FUSED) or \
-                (eagle["feature"] == FUSED) != bool(eagle.get("feature_layers")):
-            raise TrainError(f"not an EAGLE head config of format {HEAD_FORMAT} (feature {FEATURE!r}, or {FUSED!r} "
-                             "with feature_layers)")
+        problem = head_format_problem(eagle)
+        if problem:
+            raise TrainError(f"the head config: {problem}")
         hidden = config["hidden_size"]
         if hidden != target.config.hidden_size or eagle.get("target_vocab_size") != target.config.vocab_size:
             raise TrainError(f"the head was made for a target with hidden size {hidden} and "

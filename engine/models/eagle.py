@@ -134,6 +134,17 @@ class EagleHead(SelfDraftingHead):
         return scatter_draft_logits(self.draft_lm_head(hidden), self.draft_vocab, self.vocab_size)
 
 
+def head_format_problem(eagle) -> str | None:
+    """Why a config's "eagle" block is not a head of this format (None: it is). The engine's loader
+    and the trainer (train/eagle_head.py) hold heads to this one rule."""
+    if not isinstance(eagle, dict) or eagle.get("format") != HEAD_FORMAT or eagle.get("feature") not in (FEATURE, FUSED):
+        return (f'not an EAGLE head of format {HEAD_FORMAT} (its config.json needs "eagle": {{"format": '
+                f'{HEAD_FORMAT}, "feature": "{FEATURE}" or "{FUSED}"}})')
+    if (eagle["feature"] == FUSED) != bool(eagle.get("feature_layers")):
+        return f"feature {eagle['feature']!r} {'needs' if eagle['feature'] == FUSED else 'takes no'} feature_layers"
+    return None
+
+
 def is_eagle_head(path) -> bool:
     """Our own head directory, or a published EAGLE-3 one (engine/models/eagle3.py)."""
     from engine.models.eagle3 import is_published_eagle3
@@ -153,12 +164,9 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: tor
 
     config = load_hf_config(path)
     eagle = getattr(config, "eagle", None)
-    if not isinstance(eagle, dict) or eagle.get("format") != HEAD_FORMAT or eagle.get("feature") not in (FEATURE, FUSED):
-        raise ValueError(f"{path!r} is not an EAGLE head of format {HEAD_FORMAT} (its config.json needs "
-                         f'"eagle": {{"format": {HEAD_FORMAT}, "feature": "{FEATURE}" or "{FUSED}"}})')
-    if (eagle["feature"] == FUSED) != bool(eagle.get("feature_layers")):
-        raise ValueError(f"the EAGLE head in {path!r}: feature {eagle['feature']!r} "
-                         f"{'needs' if eagle['feature'] == FUSED else 'takes no'} feature_layers")
+    problem = head_format_problem(eagle)
+    if problem:
+        raise ValueError(f"{path!r}: {problem}")
     if config.hidden_size != target.hidden_size or eagle.get("target_vocab_size", target.vocab_size) != target.vocab_size:
         raise ValueError(f"the EAGLE head in {path!r} was trained for a target with hidden size {config.hidden_size} "
                          f"and {eagle.get('target_vocab_size')} tokens; this target has {target.hidden_size} and "
@@ -168,7 +176,7 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: tor
     checkpoint = open_checkpoint(path)
     load_weights(head, checkpoint, dtype, torch.device(device))
     head.init_buffers(torch.device(device), dtype)
-    vocab = next((t for name, t in checkpoint.tensors() if name == DRAFT_VOCAB), None)
+    vocab = checkpoint.get(DRAFT_VOCAB)
     if (vocab is None) != (eagle.get("draft_vocab_size") is None) or (
             vocab is not None and len(vocab) != eagle["draft_vocab_size"]):
         raise ValueError(f"the EAGLE head in {path!r}: config.json's draft_vocab_size "

@@ -144,7 +144,7 @@ def load_published_eagle3(path: str, target: CausalLM, dtype: torch.dtype,
 
 
 def _draft_to_target(checkpoint, draft_vocab_size: int, vocab_size: int, path) -> torch.Tensor:
-    d2t = next((t for name, t in checkpoint.tensors() if name == "d2t"), None)
+    d2t = checkpoint.get("d2t")
     if d2t is None or d2t.shape != (draft_vocab_size,):
         raise ValueError(f"the EAGLE-3 head in {path!r} drafts {draft_vocab_size} of {vocab_size} tokens, so it "
                          f"needs a d2t tensor of shape [{draft_vocab_size}] (draft id -> target id offsets)")

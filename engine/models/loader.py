@@ -132,6 +132,13 @@ class SafetensorsCheckpoint:
                 for key in f.keys():
                     yield key, f.get_tensor(key)
 
+    def get(self, name: str) -> torch.Tensor | None:
+        """One tensor, reading no other; None when the checkpoint has none of that name."""
+        if name not in self.where:
+            return None
+        with safe_open(self.where[name], framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
 
 class TorchBinCheckpoint:
     """A single pytorch_model.bin, as some published EAGLE heads ship: read with weights_only, so
@@ -145,6 +152,9 @@ class TorchBinCheckpoint:
 
     def tensors(self):
         yield from self.state.items()
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.state.get(name)
 
 
 def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint | TorchBinCheckpoint:
