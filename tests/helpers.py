@@ -274,3 +274,23 @@ def make_eagle_head(target, path, seed: int = 0, scale: float = 0.2, copy_target
         (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))
     return path
+
+
+def run_requests(engine, prompts, params, after_step=None) -> tuple[list[list[int]], list]:
+    """Add one request per prompt (ids "0", "1", ...; `params` for all, or a list with one each), step the
+    engine until every request has finished (calling after_step(engine) after each step), and check that every
+    KV block came back. Returns each prompt's tokens and its final output, in prompt order."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params[i] if isinstance(params, list) else params)
+    tokens, finals = {str(i): [] for i in range(len(prompts))}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        if after_step is not None:
+            after_step(engine)
+    engine.pool.check_invariants()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    ids = [str(i) for i in range(len(prompts))]
+    return [tokens[i] for i in ids], [finals[i] for i in ids]

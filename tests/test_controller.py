@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import run_requests
 
 from engine import SamplingParams
 from engine.spec_decode.controller import SpecController
@@ -222,21 +223,12 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], list(range(40, 70)), [9] * 12]
 def run(config_kwargs: dict, params) -> tuple[list[list[int]], list]:
     from engine.config import EngineConfig
     from engine.engine import Engine
-    engine = Engine(EngineConfig(dtype="float32", **config_kwargs))
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, params[i] if isinstance(params, list) else params)
-    tokens, finals, stats = {str(i): [] for i in range(len(PROMPTS))}, {}, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finals[out.request_id] = out
-        stats.append(engine.last_stats)
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    engine, stats = Engine(EngineConfig(dtype="float32", **config_kwargs)), []
+    tokens, finals = run_requests(engine, PROMPTS, params, after_step=lambda e: stats.append(e.last_stats))
     draft = engine.proposer.proposers.get("draft")   # every request's state was dropped at its end
     assert not engine.controller.states and (draft is None or not draft._cursors)
     run.stats = stats
-    return [tokens[str(i)] for i in range(len(PROMPTS))], [finals[str(i)] for i in range(len(PROMPTS))]
+    return tokens, finals
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

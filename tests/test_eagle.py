@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import make_eagle_head, make_tiny_checkpoint
+from helpers import make_eagle_head, make_tiny_checkpoint, run_requests
 
 from engine import SamplingParams
 from engine.config import EngineConfig
@@ -40,15 +40,7 @@ def prompts():
 
 def run(config: EngineConfig, prompts, params=GREEDY, engine: Engine | None = None):
     engine = engine or Engine(config)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    tokens = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    engine.pool.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    return [tokens[str(i)] for i in range(len(prompts))], engine
+    return run_requests(engine, prompts, params)[0], engine
 
 
 @pytest.fixture(scope="module")

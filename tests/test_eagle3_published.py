@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_tiny_checkpoint
+from helpers import make_tiny_checkpoint, run_requests
 from safetensors.torch import save_file
 
 from engine import SamplingParams
@@ -165,13 +165,7 @@ def test_greedy_with_a_published_head_is_lossless(target, tmp_path):
 
     def generate(config):
         engine = Engine(config)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        out = {str(i): [] for i in range(len(prompts))}
-        while engine.has_unfinished_requests():
-            for step in engine.step():
-                out[step.request_id].extend(step.new_token_ids)
-        return list(out.values()), engine
+        return run_requests(engine, prompts, params)[0], engine
 
     plain, _ = generate(EngineConfig(model=target, dtype="float32"))
     for speculative in (spec(head, 3), {**spec(head, 4), "method": "auto", "proposers": ["eagle", "ngram"]}):

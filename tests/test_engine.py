@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from helpers import make_tiny_checkpoint
+from helpers import make_tiny_checkpoint, run_requests
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -58,16 +58,7 @@ def run_engine(engine: Engine, prompts, params) -> tuple[list[list[int]], list]:
         return out
 
     engine.scheduler.schedule = recording_schedule
-    tokens = {}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
-        tokens[str(i)] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    engine.pool.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    return [tokens[str(i)] for i in range(len(prompts))], schedules
+    return run_requests(engine, prompts, params)[0], schedules
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

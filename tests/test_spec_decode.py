@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import make_tiny_checkpoint, pooled_chisquare
+from helpers import make_tiny_checkpoint, pooled_chisquare, run_requests
 
 import engine.verify
 from engine import SamplingParams
@@ -38,19 +38,8 @@ def prompts():
 
 def generate(config: EngineConfig, prompts, params):
     engine = Engine(config)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
-    tokens = {str(i): [] for i in range(len(prompts))}
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finals[out.request_id] = out
-    engine.pool.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
     generate.last_engine = engine
-    return [tokens[str(i)] for i in range(len(prompts))], [finals[str(i)] for i in range(len(prompts))]
+    return run_requests(engine, prompts, params)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

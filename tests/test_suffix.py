@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import run_requests
 
 from engine import SamplingParams
 from engine.request import Request
@@ -157,17 +158,8 @@ def generate(config: dict, prompts, params) -> tuple[list[list[int]], list]:
     from engine.config import EngineConfig
     from engine.engine import Engine
     engine = Engine(EngineConfig(dtype="float32", **config))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params[i] if isinstance(params, list) else params)
-    tokens, finals = {str(i): [] for i in range(len(prompts))}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                finals[out.request_id] = out
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
     generate.engine = engine
-    return [tokens[str(i)] for i in range(len(prompts))], [finals[str(i)] for i in range(len(prompts))]
+    return run_requests(engine, prompts, params)
 
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], list(range(40, 70)), [9] * 12]
