@@ -26,7 +26,7 @@ PINNED_PROMPTS = [
     "How do I make a cup of green tea?",
 ]
 MIN_ACCEPTANCE = 0.08   # the committed draft measures 0.096 here (50 of 521, fp32, gamma 4); see models/README.md
-MIN_HEAD_ACCEPTANCE = 0.07   # the committed EAGLE head measures 0.077 here (42 of 546, fp32, gamma 4)
+MIN_HEAD_ACCEPTANCE = 0.09   # the committed EAGLE head measures 0.099 here (51 of 514, fp32, gamma 4; its predecessor 0.077)
 
 if not (TARGET / "config.json").exists():
     if in_ci():   # `make test` prepares it: missing under CI is a broken setup, not a reason to skip
