@@ -11,7 +11,7 @@ import torch
 
 from train import distill as distill_mod
 from train.distill import DistillConfig, distill, expected_tokens_per_step, main
-from helpers import train_bpe_tokenizer
+from helpers import run_requests, train_bpe_tokenizer
 
 WORDS = ["def", "return", "self", "value", "index", "None", "for", "in", "if", "else", "import",
          "class", "print", "range", "len", "items", "key", "data", "result", "True", "False"]
@@ -223,11 +223,7 @@ def test_distill_chat_data_from_target_layers_into_a_gguf_draft(chat_target, tmp
     outputs = {}
     for name, spec in (("plain", None), ("draft", {"method": "draft", "model": str(out), "num_speculative_tokens": 3, "adaptive": False})):
         engine = Engine(EngineConfig(model=str(chat_target), dtype="float32", **({"speculative": spec} if spec else {})))
-        engine.add_request("r", [1, 2, 3, 4, 5], params)
-        tokens = []
-        while engine.has_unfinished_requests():
-            tokens += [t for o in engine.step() for t in o.new_token_ids]
-        outputs[name] = tokens
+        outputs[name] = run_requests(engine, [[1, 2, 3, 4, 5]], params)[0]
     assert outputs["draft"] == outputs["plain"]
 
 

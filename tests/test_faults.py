@@ -23,6 +23,7 @@ import pytest
 
 import engine.engine as engine_module
 from conftest import ServerProcess, sse_events
+from helpers import run_requests
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineDeadError
@@ -45,15 +46,8 @@ def make_engine(tiny_pair, **config) -> Engine:
 
 def run(engine: Engine, prompts) -> dict[str, tuple[list[int], str | None, str | None]]:
     """request id -> (tokens, finish reason, error)."""
-    results = {str(i): ([], None, None) for i in range(len(prompts))}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, GREEDY)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens, _, _ = results[out.request_id]
-            results[out.request_id] = (tokens + out.new_token_ids, out.finish_reason, out.error)
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    return results
+    tokens, finals = run_requests(engine, prompts, GREEDY)
+    return {str(i): (t, final.finish_reason, final.error) for i, (t, final) in enumerate(zip(tokens, finals))}
 
 
 def inject(monkeypatch, fails) -> list[int]:
