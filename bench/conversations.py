@@ -107,6 +107,18 @@ def method_configs(spec, gamma: int) -> dict[str, dict | None]:
     return methods
 
 
+def auto_over(methods: dict[str, dict | None], name: str) -> dict:
+    """The settings of a method named `auto:<proposer>+<proposer>...` (say auto:eagle+ngram+suffix):
+    auto routing between only those proposers, to compare proposer sets in one run; methods comes
+    from method_configs. A proposer the config cannot build is a ValueError that names it."""
+    proposers = name.removeprefix("auto:").split("+")
+    unknown = [p for p in proposers if p not in methods["auto"]["proposers"]]
+    if unknown or not name.startswith("auto:"):
+        raise ValueError(f"{name}: auto:<proposers joined by +> over {'+'.join(methods['auto']['proposers'])}; "
+                         f"this config cannot build {', '.join(unknown) or 'it'}")
+    return {**methods["auto"], "proposers": proposers}
+
+
 def warm_engine(config, concurrency: int, speculative: dict | None) -> LLM:
     """The engine for one method (speculative None: plain decoding), warmed up by one short chat."""
     llm = LLM(config.model, dtype=config.dtype, max_num_seqs=max(concurrency, 1),

@@ -2,7 +2,7 @@
 server when installed) on the same checkpoint, and against our own offline engine.
 
 Every server gets the same streamed chat requests: the Spec-Bench development questions (first
-turns), greedy, max_tokens 128 (with ignore_eos for ours; transformers serve rejects the field and
+turns, the categories taken in turn), greedy, max_tokens 128 (with ignore_eos for ours; transformers serve rejects the field and
 stops at EOS, so tokens/s counts the tokens each server returned, from its usage, and the table
 shows tokens per request). At each concurrency every server runs in turn, the
 order alternating between levels; with --rounds N every server runs N times per level, the order rotating,
@@ -88,8 +88,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def questions() -> list[str]:
+    """The first turns, one category after another in turn (each category in file order), so that
+    the first N prompts span Spec-Bench's categories instead of the file's first one or two: its
+    first 8 are all writing and roleplay, where the copying proposers find least."""
+    by_category: dict[str, list[str]] = {}
     with open(QUESTIONS) as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+        for line in filter(str.strip, f):
+            question = json.loads(line)
+            by_category.setdefault(question["category"], []).append(question["turns"][0])
+    queues = list(by_category.values())
+    return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
 
 
 # ---- servers -------------------------------------------------------------------------------------

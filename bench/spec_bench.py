@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, os.path.dirname(__file__))
 from common import timed  # noqa: E402
-from conversations import (QUESTIONS, Run, chat_ids, load_questions, method_configs,  # noqa: E402
+from conversations import (QUESTIONS, Run, auto_over, chat_ids, load_questions, method_configs,  # noqa: E402
                            question_sessions, run_lockstep, warm_engine)
 
 from engine import LLM  # noqa: E402
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="lock-step rounds per concurrency, fresh engines each, pooled (single 15-30 s runs move ~5%%)")
     p.add_argument("--no-peers", dest="peers", action="store_false")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="compare only these (none, ngram, draft, eagle, suffix, auto; none always)")
+                   help="compare only these (none, ngram, draft, eagle, suffix, auto; none always); auto:<p>+<p>... "
+                        "is auto over only those proposers, e.g. auto:eagle+ngram+suffix")
     p.add_argument("--one-rate", action="store_true",
                    help="also run auto planning every proposer on one acceptance rate per request, without "
                         "the copying proposers' per-draft evidence (auto-one-rate)")
@@ -154,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     # the single methods at a static gamma (what they were before the controller), and auto: the
     # adaptive controller routing each request and step between all of them
     methods = method_configs(spec, spec.gamma)
+    for name in [m for m in args.methods or [] if m.startswith("auto:")]:
+        try:
+            methods[name] = auto_over(methods, name)
+        except ValueError as e:
+            p.error(f"--methods: {e}")
     if args.methods:
         unknown = set(args.methods) - set(methods)
         if unknown:

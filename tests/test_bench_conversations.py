@@ -67,3 +67,17 @@ def test_rounds_pool_into_one_run(llms):
     assert first.wall == pytest.approx(wall + second.wall)
     assert first.pooled("seconds") == pytest.approx(first.wall)
     assert first.answers == answers
+
+
+def test_auto_over_a_proposer_subset():
+    from types import SimpleNamespace
+    from conversations import auto_over, method_configs
+
+    spec = SimpleNamespace(model="draft-dir", head="head-dir")
+    methods = method_configs(spec, gamma=4)
+    assert methods["auto"]["proposers"] == ["draft", "eagle", "ngram", "suffix"]
+    subset = auto_over(methods, "auto:eagle+ngram")
+    assert subset["proposers"] == ["eagle", "ngram"] and subset["head"] == "head-dir"
+    no_head = method_configs(SimpleNamespace(model="draft-dir", head=None), gamma=4)
+    with pytest.raises(ValueError, match="cannot build eagle"):
+        auto_over(no_head, "auto:eagle+ngram")

@@ -21,3 +21,14 @@ def test_each_round_gets_its_own_prompts():
     assert level_prompts(questions, 1, 3) == ["q0", "q1", "q2"]
     assert level_prompts(questions, 1, 3, round_index=1) == ["q3", "q4", "q5"]
     assert level_prompts(questions, 4, 0) == [f"q{i}" for i in range(8)]   # default: max(8, 2 x concurrency)
+
+
+def test_prompts_take_the_categories_in_turn():
+    import json
+    from serve_bench import QUESTIONS, questions
+    rows = [json.loads(line) for line in open(QUESTIONS) if line.strip()]
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    first_turn = {r["turns"][0]: r["category"] for r in rows}
+    prompts = questions()
+    assert sorted(prompts) == sorted(first_turn)   # every question once
+    assert [first_turn[p] for p in prompts[:len(categories)]] == categories
