@@ -19,7 +19,9 @@ own process with the default threads), `thread` (the engine loop on a thread of 
 `process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation), `fp32` / `int8`
 (plain decoding with `quantization: none` / `int8`; `ours` has the config's, auto by default; `fp32` then
 serves bf16 where the CPU computes it natively),
-`spec-int8`, and `torch-ops` (plain decoding with the fused CPU ops off: SPECSERVE_CPU_KERNELS=0).
+`spec-int8`, `torch-ops` (plain decoding with the fused CPU ops off: SPECSERVE_CPU_KERNELS=0), and
+`spec:<p>+<p>...` (auto over only those proposers: `--config configs/default-eagle.yaml --variants
+spec:draft+ngram+suffix,spec:eagle+ngram+suffix` compares the draft and the head in one run).
 --spec adds `spec`. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
 install it beside them:
     pip wheel --no-deps --no-binary :all: llama-cpp-python      # builds from the sdist (5-20 minutes)
@@ -133,11 +135,19 @@ class Launched:
             self.process.kill()
 
 
+def variant(name: str) -> tuple[list[str], dict]:
+    """A variant's extra `specserve serve` flags and environment: one of VARIANTS, or `spec:<p>+<p>...`,
+    the config's speculation as auto over only those proposers (the config must name what they load)."""
+    if name.startswith("spec:"):
+        return ["--speculative-config", json.dumps({"method": "auto", "proposers": name[5:].split("+")})], {}
+    return VARIANTS[name]
+
+
 def launch_ours(name: str, config: str, port: int) -> Launched:
+    flags, env = variant(name)
     command = [sys.executable, "-m", "server.cli", "serve", "--config", config, "--port", str(port),
-               "--served-model-name", "bench", "--log-level", "warning", *VARIANTS[name][0]]
-    return Launched(name, command, port, "bench", env=VARIANTS[name][1],
-                    extra_body={"ignore_eos": True}).wait("/health")
+               "--served-model-name", "bench", "--log-level", "warning", *flags]
+    return Launched(name, command, port, "bench", env=env, extra_body={"ignore_eos": True}).wait("/health")
 
 
 def launch_transformers(model_dir: str, port: int, dtype: str) -> Launched:
@@ -274,6 +284,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     variants = args.variants.split(",") + (["spec"] if args.spec and "spec" not in args.variants else [])
+    unknown = [v for v in variants if v not in VARIANTS and not v.startswith("spec:")]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose among {', '.join(VARIANTS)} or spec:<p>+<p>...")
     from server.config import load_config
     model_dir = load_config(args.config, environ={}).engine.model
     all_questions = questions()

@@ -2,6 +2,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from serve_bench import Result  # noqa: E402
 
@@ -32,3 +34,14 @@ def test_prompts_take_the_categories_in_turn():
     prompts = questions()
     assert sorted(prompts) == sorted(first_turn)   # every question once
     assert [first_turn[p] for p in prompts[:len(categories)]] == categories
+
+
+def test_variants_name_flags_or_a_proposer_set():
+    import json
+    from serve_bench import main, variant
+    flags, env = variant("spec:eagle+ngram")
+    assert flags[0] == "--speculative-config" and env == {}
+    assert json.loads(flags[1]) == {"method": "auto", "proposers": ["eagle", "ngram"]}
+    assert variant("ours") == (["--speculative-config", json.dumps({"method": "none"})], {})
+    with pytest.raises(SystemExit):
+        main(["--variants", "ours,nonsense", "--peers", ""])
