@@ -4,7 +4,8 @@ server when installed) on the same checkpoint, and against our own offline engin
 Every server gets the same streamed chat requests: the Spec-Bench development questions (first
 turns, the categories taken in turn), greedy, max_tokens 128 (with ignore_eos for ours; transformers serve rejects the field and
 stops at EOS, so tokens/s counts the tokens each server returned, from its usage, and the table
-shows tokens per request). At each concurrency every server runs in turn, the
+shows tokens per request). --stop-at-eos drops ignore_eos, so that every server does the same work
+where the peers stop at EOS (and no speculation is timed on the easy text past an answer's end). At each concurrency every server runs in turn, the
 order alternating between levels; with --rounds N every server runs N times per level, the order rotating,
 and the rounds are pooled. Printed in one run, per server and concurrency: output tokens/s,
 TTFT and ITL (median and p99), and ratios to the peer and to the offline engine (LLM.generate over
@@ -143,11 +144,11 @@ def variant(name: str) -> tuple[list[str], dict]:
     return VARIANTS[name]
 
 
-def launch_ours(name: str, config: str, port: int) -> Launched:
+def launch_ours(name: str, config: str, port: int, ignore_eos: bool = True) -> Launched:
     flags, env = variant(name)
     command = [sys.executable, "-m", "server.cli", "serve", "--config", config, "--port", str(port),
                "--served-model-name", "bench", "--log-level", "warning", *flags]
-    return Launched(name, command, port, "bench", env=env, extra_body={"ignore_eos": True}).wait("/health")
+    return Launched(name, command, port, "bench", env=env, extra_body={"ignore_eos": ignore_eos}).wait("/health")
 
 
 def launch_transformers(model_dir: str, port: int, dtype: str) -> Launched:
@@ -220,7 +221,7 @@ async def drive(server: Launched, prompts: list[str], concurrency: int, max_toke
     return result
 
 
-def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: int) -> float:
+def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: int, ignore_eos: bool = True) -> float:
     """Our offline engine's output tokens/s, plain decoding, on the same chat prompts, max_num_seqs =
     concurrency."""
     import dataclasses
@@ -232,7 +233,7 @@ def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: 
     llm = LLM(config.model, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                                if f.name not in ("model", "max_num_seqs")}, max_num_seqs=concurrency)
     ids = [chat_ids(llm.tokenizer, [{"role": "user", "content": q}]) for q in prompts]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     llm.generate(ids[:1], SamplingParams(max_tokens=8, temperature=0.0))   # warm-up
     start = time.perf_counter()
     outputs = llm.generate(ids, params)
@@ -275,6 +276,7 @@ def main(argv=None) -> int:
                    help="drive every server this many times per level, the order rotating each round, and pool the "
                         "rounds: short turns see the same machine (runs of ~30 s in turn moved by 15%% on a shared VM)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--stop-at-eos", action="store_true", help="ours stop at EOS as the peers do (default: ignore_eos)")
     p.add_argument("--variants", default="ours", help=f"our server configurations: {', '.join(VARIANTS)}")
     p.add_argument("--spec", action="store_true", help="also our server with the config's own speculation")
     p.add_argument("--peers", default="transformers,llamacpp")
@@ -294,7 +296,7 @@ def main(argv=None) -> int:
     servers = {}
     try:
         for i, name in enumerate(variants):
-            servers[name] = launch_ours(name, args.config, args.port + i)
+            servers[name] = launch_ours(name, args.config, args.port + i, ignore_eos=not args.stop_at_eos)
         peers = args.peers.split(",") if args.peers else []
         if "transformers" in peers:   # in its fastest dtype here: bf16 where the CPU computes it natively
             from engine.setup import cpu_native_dtype
@@ -325,7 +327,8 @@ def main(argv=None) -> int:
     offline_tps = {}
     if not args.no_offline:
         for c in levels:
-            offline_tps[c] = offline(args.config, level_prompts(all_questions, c, args.requests), c, args.max_tokens)
+            offline_tps[c] = offline(args.config, level_prompts(all_questions, c, args.requests), c, args.max_tokens,
+                                     ignore_eos=not args.stop_at_eos)
         print("offline engine (plain): " + ", ".join(f"batch {c} {t:.1f} tok/s" for c, t in offline_tps.items()))
     peer = "transformers" if "transformers" in servers else ("llama.cpp" if "llama.cpp" in servers else None)
     print(f"\nstreamed chat completions, {args.max_tokens} tokens, greedy; ratios: tokens/s over {peer or 'no peer'}"

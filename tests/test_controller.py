@@ -613,3 +613,17 @@ def test_the_engine_wide_rate_follows_a_shift_across_requests():
         controller.observe(f"new{i // 20}", "draft", 1, int(rng.random() < 0.9))
     assert controller.global_counts["draft"].rate(0.5, 1.0) > 0.75
     assert controller.acceptance("fresh", "draft") > 0.75   # a new request starts from it
+
+
+def test_a_first_look_is_free_only_while_it_is_cheap():
+    """A draft model's first look on a short context is free; on a long one its catch-up costs more
+    than FIRST_LOOK_STEPS plain steps, so it waits for credit like any probe."""
+    from engine.spec_decode.controller import FIRST_LOOK_STEPS
+    model = costs(0.0003)
+    model.calibrate_plain(1, 0.030)
+    model.catch_up_price["draft"] = 0.0001   # 10 ms per 100 tokens
+    long_lag = int(FIRST_LOOK_STEPS * 0.030 / 0.0001) + 100
+    for lag, free in ((50, True), (long_lag, False)):
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
+        plan = controller.plan([("r", {"draft": MAX_K}, {"draft": lag})])["r"]
+        assert bool(plan.probe) == free, (lag, plan)
