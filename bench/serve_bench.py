@@ -23,7 +23,9 @@ serves bf16 where the CPU computes it natively),
 `spec-int8`, `torch-ops` (plain decoding with the fused CPU ops off: SPECSERVE_CPU_KERNELS=0), and
 `spec:<p>+<p>...` (auto over only those proposers: `--config configs/default-eagle.yaml --variants
 spec:draft+ngram+suffix,spec:eagle+ngram+suffix` compares the draft and the head in one run).
---spec adds `spec`. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
+--spec adds `spec`. `transformers serve` (transformers 5.x) loads the model through accelerate: `pip
+install accelerate` beside this venv's packages (`--target DIR`, then DIR on PYTHONPATH) if it says
+so. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
 install it beside them:
     pip wheel --no-deps --no-binary :all: llama-cpp-python      # builds from the sdist (5-20 minutes)
     pip install --target /tmp/llamacpp --no-deps llama_cpp_python-*.whl sse-starlette starlette-context \
