@@ -92,6 +92,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+WARM_UP = "Say hello."
+
+
 def questions() -> list[str]:
     """The first turns, one category after another in turn (each category in file order), so that
     the first N prompts span Spec-Bench's categories instead of the file's first one or two: its
@@ -242,12 +245,13 @@ def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: 
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
-def level_prompts(questions: list[str], concurrency: int, requests: int, round_index: int = 0) -> list[str]:
+def level_prompts(questions: list[str], concurrency: int, requests: int, start: int = 0) -> list[str]:
     """The prompts of one concurrency level and round: `requests` of them, or max(8, 2 x concurrency),
-    each round the next ones (a repeated prompt would be served from the prefix cache, and suffix
-    drafting would replay its earlier answer)."""
+    from question `start` on. Every level and round takes the next ones: a prompt a server answered
+    before is served from its prefix cache, and suffix drafting replays its earlier answer (levels
+    used to start over at the first question, so a second level re-asked the first one's)."""
     count = requests or max(8, 2 * concurrency)
-    return [questions[(round_index * count + i) % len(questions)] for i in range(count)]
+    return [questions[(start + i) % len(questions)] for i in range(count)]
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -308,14 +312,20 @@ def main(argv=None) -> int:
             launched = launch_llamacpp(args.gguf, args.port + 21)
             if launched:
                 servers["llama.cpp"] = launched
-        for server in servers.values():   # warm-up: one short request each
-            asyncio.run(drive(server, all_questions[:1], 1, 8))
+        for server in servers.values():   # warm-up: one short request each, on a prompt outside the set
+            asyncio.run(drive(server, [WARM_UP], 1, 8))
         results: dict[int, dict[str, Result]] = {}
+        first_prompts: dict[int, list[str]] = {}   # per level, its first round's: the offline engine's too
+        start = 0
         for level_index, c in enumerate(levels):
             order = list(servers) if level_index % 2 == 0 else list(reversed(servers))
             pooled = {name: Result() for name in servers}
-            for round_index in range(args.rounds):   # each round its own prompts: no server answers one twice
-                prompts = level_prompts(all_questions, c, args.requests, round_index)
+            for _ in range(args.rounds):   # each round its own prompts: no server answers one twice
+                prompts = level_prompts(all_questions, c, args.requests, start)
+                first_prompts.setdefault(c, prompts)
+                start += len(prompts)
+                if start > len(all_questions):
+                    print(f"note: past the {len(all_questions)} questions, prompts repeat", file=sys.stderr)
                 for name in order:
                     pooled[name] = pooled[name].merge(asyncio.run(drive(servers[name], prompts, c, args.max_tokens)))
                 order = order[1:] + order[:1]
@@ -329,7 +339,7 @@ def main(argv=None) -> int:
     offline_tps = {}
     if not args.no_offline:
         for c in levels:
-            offline_tps[c] = offline(args.config, level_prompts(all_questions, c, args.requests), c, args.max_tokens,
+            offline_tps[c] = offline(args.config, first_prompts[c], c, args.max_tokens,
                                      ignore_eos=not args.stop_at_eos)
         print("offline engine (plain): " + ", ".join(f"batch {c} {t:.1f} tok/s" for c, t in offline_tps.items()))
     peer = "transformers" if "transformers" in servers else ("llama.cpp" if "llama.cpp" in servers else None)

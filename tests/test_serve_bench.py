@@ -21,7 +21,8 @@ def test_each_round_gets_its_own_prompts():
     from serve_bench import level_prompts
     questions = [f"q{i}" for i in range(10)]
     assert level_prompts(questions, 1, 3) == ["q0", "q1", "q2"]
-    assert level_prompts(questions, 1, 3, round_index=1) == ["q3", "q4", "q5"]
+    assert level_prompts(questions, 1, 3, start=3) == ["q3", "q4", "q5"]
+    assert level_prompts(questions, 1, 3, start=9) == ["q9", "q0", "q1"]   # past the end: they repeat
     assert level_prompts(questions, 4, 0) == [f"q{i}" for i in range(8)]   # default: max(8, 2 x concurrency)
 
 
