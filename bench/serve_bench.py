@@ -9,7 +9,7 @@ where the peers stop at EOS (and no speculation is timed on the easy text past a
 order alternating between levels; with --rounds N every server runs N times per level, the order rotating,
 and the rounds are pooled. Printed in one run, per server and concurrency: output tokens/s,
 TTFT and ITL (median and p99), and ratios to the peer and to the offline engine (LLM.generate over
-the same prompts with max_num_seqs = concurrency). ITL is per token: the gap between two streamed
+the same prompts with max_num_seqs = concurrency, run in turn with the servers). ITL is per token: the gap between two streamed
 chunks divided by the tokens the later one carries (a speculative chunk carries several).
 
     python bench/serve_bench.py [--config configs/default.yaml] [--concurrency 1,4,16,32] [--requests 0]
@@ -226,23 +226,40 @@ async def drive(server: Launched, prompts: list[str], concurrency: int, max_toke
     return result
 
 
-def offline(config_path: str, prompts: list[str], concurrency: int, max_tokens: int, ignore_eos: bool = True) -> float:
-    """Our offline engine's output tokens/s, plain decoding, on the same chat prompts, max_num_seqs =
-    concurrency."""
-    import dataclasses
+class Offline:
+    """Our offline engine (LLM.generate, plain decoding, max_num_seqs = the level's concurrency) on
+    the same prompts, run in turn with the servers: this VM's speed drifts 15-20% within minutes,
+    so an engine timed after every server had stopped (as it used to be) gave ratios that moved
+    from 0.78x to 1.01x between runs of one level."""
 
-    from engine import LLM, SamplingParams
-    from server.config import load_config
-    config = load_config(config_path, environ={}).engine
-    config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, method="none"))
-    llm = LLM(config.model, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                               if f.name not in ("model", "max_num_seqs")}, max_num_seqs=concurrency)
-    ids = [chat_ids(llm.tokenizer, [{"role": "user", "content": q}]) for q in prompts]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    llm.generate(ids[:1], SamplingParams(max_tokens=8, temperature=0.0))   # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(ids, params)
-    return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+    def __init__(self, config_path: str, ignore_eos: bool):
+        self.config_path, self.ignore_eos = config_path, ignore_eos
+        self.llm, self.concurrency = None, 0
+
+    def run(self, prompts: list[str], concurrency: int, max_tokens: int) -> Result:
+        from engine import SamplingParams
+        llm = self._engine(concurrency)
+        ids = [chat_ids(llm.tokenizer, [{"role": "user", "content": q}]) for q in prompts]
+        start = time.perf_counter()
+        outputs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=self.ignore_eos))
+        return Result(sum(len(o.token_ids) for o in outputs), time.perf_counter() - start)
+
+    def _engine(self, concurrency: int):
+        """One engine per level (the last one dropped first), warmed up on a prompt outside the set."""
+        if self.concurrency != concurrency:
+            import dataclasses
+
+            from engine import LLM, SamplingParams
+            from server.config import load_config
+            self.llm = None
+            config = load_config(self.config_path, environ={}).engine
+            config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, method="none"))
+            self.llm = LLM(config.model, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                                            if f.name not in ("model", "max_num_seqs")}, max_num_seqs=concurrency)
+            self.llm.generate([chat_ids(self.llm.tokenizer, [{"role": "user", "content": WARM_UP}])],
+                              SamplingParams(max_tokens=8, temperature=0.0))
+            self.concurrency = concurrency
+        return self.llm
 
 
 def level_prompts(questions: list[str], concurrency: int, requests: int, start: int = 0) -> list[str]:
@@ -315,33 +332,32 @@ def main(argv=None) -> int:
         for server in servers.values():   # warm-up: one short request each, on a prompt outside the set
             asyncio.run(drive(server, [WARM_UP], 1, 8))
         results: dict[int, dict[str, Result]] = {}
-        first_prompts: dict[int, list[str]] = {}   # per level, its first round's: the offline engine's too
+        offline_tps: dict[int, float] = {}
+        offline = None if args.no_offline else Offline(args.config, ignore_eos=not args.stop_at_eos)
+        runners = list(servers) + ([] if offline is None else ["offline"])
         start = 0
         for level_index, c in enumerate(levels):
-            order = list(servers) if level_index % 2 == 0 else list(reversed(servers))
-            pooled = {name: Result() for name in servers}
+            order = runners if level_index % 2 == 0 else runners[::-1]
+            pooled = {name: Result() for name in runners}
             for _ in range(args.rounds):   # each round its own prompts: no server answers one twice
                 prompts = level_prompts(all_questions, c, args.requests, start)
-                first_prompts.setdefault(c, prompts)
                 start += len(prompts)
                 if start > len(all_questions):
                     print(f"note: past the {len(all_questions)} questions, prompts repeat", file=sys.stderr)
                 for name in order:
-                    pooled[name] = pooled[name].merge(asyncio.run(drive(servers[name], prompts, c, args.max_tokens)))
+                    result = (offline.run(prompts, c, args.max_tokens) if name == "offline" else
+                              asyncio.run(drive(servers[name], prompts, c, args.max_tokens)))
+                    pooled[name] = pooled[name].merge(result)
                 order = order[1:] + order[:1]
+            if offline is not None:
+                offline_tps[c] = pooled.pop("offline").tok_s
             results[c] = pooled
-            print(f"concurrency {c}: " + ", ".join(f"{k} {v.tok_s:.1f} tok/s" for k, v in results[c].items()),
-                  flush=True)
+            print(f"concurrency {c}: " + ", ".join(f"{k} {v.tok_s:.1f} tok/s" for k, v in results[c].items())
+                  + (f", offline engine (plain) {offline_tps[c]:.1f} tok/s" if c in offline_tps else ""), flush=True)
     finally:
         for server in servers.values():
             server.stop()
 
-    offline_tps = {}
-    if not args.no_offline:
-        for c in levels:
-            offline_tps[c] = offline(args.config, first_prompts[c], c, args.max_tokens,
-                                     ignore_eos=not args.stop_at_eos)
-        print("offline engine (plain): " + ", ".join(f"batch {c} {t:.1f} tok/s" for c, t in offline_tps.items()))
     peer = "transformers" if "transformers" in servers else ("llama.cpp" if "llama.cpp" in servers else None)
     print(f"\nstreamed chat completions, {args.max_tokens} tokens, greedy; ratios: tokens/s over {peer or 'no peer'}"
           " and over the offline engine (plain decoding) at the same concurrency")
