@@ -2,15 +2,17 @@
 server when installed) on the same checkpoint, and against our own offline engine.
 
 Every server gets the same streamed chat requests: the Spec-Bench development questions (first
-turns, the categories taken in turn), greedy, max_tokens 128 (with ignore_eos for ours; transformers serve rejects the field and
-stops at EOS, so tokens/s counts the tokens each server returned, from its usage, and the table
-shows tokens per request). --stop-at-eos drops ignore_eos, so that every server does the same work
-where the peers stop at EOS (and no speculation is timed on the easy text past an answer's end). At each concurrency every server runs in turn, the
-order alternating between levels; with --rounds N every server runs N times per level, the order rotating,
-and the rounds are pooled. Printed in one run, per server and concurrency: output tokens/s,
-TTFT and ITL (median and p99), and ratios to the peer and to the offline engine (LLM.generate over
-the same prompts with max_num_seqs = concurrency, run in turn with the servers). ITL is per token: the gap between two streamed
-chunks divided by the tokens the later one carries (a speculative chunk carries several).
+turns, the categories taken in turn), greedy, max_tokens 128 (with ignore_eos for ours;
+transformers serve rejects the field and stops at EOS, so tokens/s counts the tokens each server
+returned, from its usage, and the table shows tokens per request). --stop-at-eos drops ignore_eos,
+so that every server does the same work where the peers stop at EOS (and no speculation is timed
+on the easy text past an answer's end). At each concurrency every server runs in turn, the order
+alternating between levels; with --rounds N every server runs N times per level, the order
+rotating, and the rounds are pooled. Printed in one run, per server and concurrency: output
+tokens/s, TTFT and ITL (median and p99), and ratios to the peer and to the offline engine
+(LLM.generate over the same prompts with max_num_seqs = concurrency, run in turn with the
+servers). ITL is per token: the gap between two streamed chunks divided by the tokens the later
+one carries (a speculative chunk carries several).
 
     python bench/serve_bench.py [--config configs/default.yaml] [--concurrency 1,4,16,32] [--requests 0]
         [--variants ours] [--peers transformers,llamacpp] [--spec]
@@ -25,8 +27,9 @@ serves bf16 where the CPU computes it natively),
 spec:draft+ngram+suffix,spec:eagle+ngram+suffix` compares the draft and the head in one run).
 --spec adds `spec`. `transformers serve` (transformers 5.x) loads the model through accelerate: `pip
 install accelerate` beside this venv's packages (`--target DIR`, then DIR on PYTHONPATH) if it says
-so. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same weights as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages,
-install it beside them:
+so. llama.cpp runs when `llama-cpp-python[server]` is importable and --gguf names the same weights
+as a GGUF file; otherwise it is skipped with that note. To keep this venv's own packages, install
+it beside them:
     pip wheel --no-deps --no-binary :all: llama-cpp-python      # builds from the sdist (5-20 minutes)
     pip install --target /tmp/llamacpp --no-deps llama_cpp_python-*.whl sse-starlette starlette-context \
         pydantic-settings diskcache python-dotenv
