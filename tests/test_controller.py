@@ -617,13 +617,28 @@ def test_the_engine_wide_rate_follows_a_shift_across_requests():
 
 def test_a_first_look_is_free_only_while_it_is_cheap():
     """A draft model's first look on a short context is free; on a long one its catch-up costs more
-    than FIRST_LOOK_STEPS plain steps, so it waits for credit like any probe."""
-    from engine.spec_decode.controller import FIRST_LOOK_STEPS
+    than FIRST_LOOK_TOKENS of the request's plain tokens, so it waits for credit like any probe."""
+    from engine.spec_decode.controller import FIRST_LOOK_TOKENS
     model = costs(0.0003)
     model.calibrate_plain(1, 0.030)
     model.catch_up_price["draft"] = 0.0001   # 10 ms per 100 tokens
-    long_lag = int(FIRST_LOOK_STEPS * 0.030 / 0.0001) + 100
+    long_lag = int(FIRST_LOOK_TOKENS * 0.030 / 0.0001) + 100
     for lag, free in ((50, True), (long_lag, False)):
         controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
         plan = controller.plan([("r", {"draft": MAX_K}, {"draft": lag})])["r"]
         assert bool(plan.probe) == free, (lag, plan)
+
+
+def test_a_first_look_is_priced_in_the_requests_own_tokens():
+    """A look delays the whole batch but can pay off only in its own request's tokens: a catch-up
+    that is free alone (under FIRST_LOOK_TOKENS plain steps at batch 1) is not free for each of 16
+    requests arriving together, whose looks would together cost many plain steps."""
+    model = costs(0.0003)
+    model.calibrate_plain(1, 0.030)
+    model.calibrate_plain(16, 0.060)
+    model.catch_up_price["draft"] = 0.0001
+    batch = [(f"r{i}", {"draft": MAX_K}, {"draft": 300}) for i in range(16)]
+    for requests, free in ((batch[:1], True), (batch, False)):
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
+        plans = controller.plan(requests)
+        assert all(bool(plan.probe) == free for plan in plans.values()), (len(requests), plans)

@@ -33,8 +33,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   lone probe cost ~20 ms on a 70 ms step, and a fourth of the same forward ~1 ms). At most one
   request in eight starts a probing pass in a step. A new request takes one free look at once
   (requests that arrive together share its pass), unless that look costs more than
-  FIRST_LOOK_STEPS plain steps (a draft model's catch-up on a long prompt): then it is a paid
-  probe like the others. Deferring it while the engine-wide prior was
+  FIRST_LOOK_TOKENS of the request's own plain tokens (a draft model's catch-up on a prompt at a
+  big batch): then it is a paid probe like the others. Deferring it while the engine-wide prior was
   strong left a stale prior unchallenged: after low-acceptance traffic, an engine facing alpha 0.7
   at batch 4 never drafted, its requests' catch-up making every paid probe too dear.
 - Estimates from a few judged tokens can be unluckily low, and a request that stops drafting stops
@@ -66,7 +66,7 @@ EXPLORE_JUDGED = 16.0     # an idle request explores (optimistic posterior draws
 EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
 MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is capped at this many plain steps
-FIRST_LOOK_STEPS = 2.0    # a first look is free while its probe costs at most this many plain steps of the batch
+FIRST_LOOK_TOKENS = 2.0   # a first look is free while its probe costs at most this many of the request's plain tokens
 MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position (priced per forward)
 HURDLE = 0.05             # a plan must promise this much more goodput than plain decoding: the cost model
                           # errs by about as much, and plain decoding is the safe side of a close call
@@ -403,10 +403,13 @@ class SpecController:
                 if rid in plans or (alone and openers <= 0):
                     continue
                 price = self._probe_price(method, lag, prices, not alone, 0 if alone else first_rows[method])
-                # A look that costs more than a couple of plain steps (a draft model catching up on a
-                # long prompt: 1,500 tokens took ~200 ms, five plain steps at batch 16) is not free:
-                # free ones for every long RAG or summarization prompt cost 7% at 16 streams.
-                look = state.look_due and self.first_look and price <= FIRST_LOOK_STEPS * prices.plain_token * batch
+                # A look delays the whole batch, but what it may find pays only the request's own
+                # tokens: it is free while it costs at most FIRST_LOOK_TOKENS of them. Dearer ones
+                # (a draft model catching up on a prompt) are paid probes: priced per step (two plain
+                # steps), the free looks of thirteen requests arriving together at 16 streams caught
+                # the draft up on all their prompts in one step (364 ms, nine plain steps), and those
+                # looks cost 6% of the run.
+                look = state.look_due and self.first_look and price <= FIRST_LOOK_TOKENS * prices.plain_token
                 if not look and state.credit < price - rate * prices.plain_token:
                     continue
                 openers -= alone
