@@ -7,8 +7,9 @@ from helpers import make_tiny_checkpoint
 
 from engine.models import streamed_linear
 from engine.models.cpu_linear import cpu_has_fast_bf16
-from engine.models.streamed_linear import (BLOCKED_ROWS, NATIVE_BF16_ROWS, PREFILL_ROWS, StreamedLinear, check_quantization,
-                                           dequantize_int8, kernel_unavailable_reason, quantize_int8, stream_linears)
+from engine.models.streamed_linear import (BLOCKED_ROWS, NATIVE_BF16_ROWS, PREFILL_ROWS, ROW_GRID, StreamedLinear,
+                                           check_quantization, dequantize_int8, kernel_unavailable_reason,
+                                           quantize_int8, stream_linears)
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(kernel_unavailable_reason() is not None,
@@ -79,11 +80,12 @@ def test_narrow_bf16_passes_use_dot_products_where_the_cpu_has_avx512_bf16(rows,
     """Below BLOCKED_ROWS rows: the blocked copy and bf16 dot products, which is F.linear on the
     activations rounded to bf16 (bf16 products are exact in fp32; only the order of the sums
     differs), and each row's result is bit for bit the one it gets alone (a verification row equals
-    the decode row). From BLOCKED_ROWS: oneDNN's bf16 matmul (its output rounded to bf16). The layer keeps no row-major copy."""
+    the decode row). From the shape's measured crossing (never below BLOCKED_ROWS): oneDNN's bf16
+    matmul (its output rounded to bf16). The layer keeps no row-major copy."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(2 * 96, 40, bias=bias)
     layer = StreamedLinear(linear, "bf16")
-    assert layer.blocks is not None and layer.weight is None and layer.native_rows == BLOCKED_ROWS
+    assert layer.blocks is not None and layer.weight is None and layer.native_rows >= BLOCKED_ROWS
     assert torch.equal(layer.dense_weight(), linear.weight.detach().bfloat16().float())
     x = torch.randn(rows, 2 * 96)
     rounded = torch.nn.functional.linear(x.bfloat16().float(), layer.dense_weight(), linear.bias)
@@ -91,11 +93,23 @@ def test_narrow_bf16_passes_use_dot_products_where_the_cpu_has_avx512_bf16(rows,
         out = layer(x)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
         out_3d = layer(x.reshape(1, rows, -1))
-    tolerance = 2e-5 if rows < BLOCKED_ROWS else 2e-2   # oneDNN's output is bf16
+    tolerance = 2e-5 if rows < layer.native_rows else 2e-2   # oneDNN's output is bf16
     torch.testing.assert_close(out, rounded, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(out_3d.reshape(rows, 40), rounded, rtol=tolerance, atol=tolerance)
-    if rows < BLOCKED_ROWS:
+    if rows < layer.native_rows:
         assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("native, blocked, crossing", [
+    (lambda r: 100 + r, lambda r: 3 * r, 64),        # oneDNN wins from 50 rows: the first grid size past it
+    (lambda r: 1.0, lambda r: 2.0, BLOCKED_ROWS),    # oneDNN always faster: never below the floor
+    (lambda r: 2.0, lambda r: 1.0, ROW_GRID[-1]),     # the kernel always faster: oneDNN past the grid
+    (lambda r: 0.5 if r == 24 else 2.0 if r < 48 else 0.5, lambda r: 1.0, 48),   # one win alone is noise
+])
+def test_each_shape_switches_to_onednn_where_it_measured_faster(monkeypatch, native, blocked, crossing):
+    """The crossing is the first grid size from which oneDNN is faster there and at the next size."""
+    monkeypatch.setattr(streamed_linear, "_best_seconds", lambda linear, rows, width: linear(rows))
+    assert streamed_linear._measure_crossing(native, blocked, 64) == crossing
 
 
 @pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512-BF16")

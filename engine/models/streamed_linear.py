@@ -16,13 +16,14 @@ outweighs writing and reading the fp32 copy (SmolLM2-135M's 30 layers, bf16, 2 t
 128 rows 309 ms a pass in the kernel against 468 widened, 256 rows 564 against 697, 512 rows level).
 
 Where the CPU has native bf16 (AVX512-BF16 / AMX), dtype auto serves the same way (engine/setup.py),
-with two changes. Passes of fewer than BLOCKED_ROWS rows (decode, verification, small batches) go
-through `engine/csrc/bf16_dot_linear.cpp` on a blocked copy of the weight: activations rounded to
+with two changes. Narrow passes (decode, verification, small batches) go through
+`engine/csrc/bf16_dot_linear.cpp` on a blocked copy of the weight: activations rounded to
 bf16, AVX512-BF16 dot products summed in fp32, a row's result independent of the other rows in its
 pass (SmolLM2-135M's linears, 2 threads, AVX512-BF16 EPYC, ms a pass at 1 / 4 / 8 rows: 10.7 / 10.1
 / 13.1, against 10.4 / 21.2 / 29.1 for the fp32 kernel here and 16.2 / 17.7 / 17.9 for oneDNN's bf16
-matmul). Wider passes (prefill chunks, big batches: 33 rows 36 ms in oneDNN against 42 blocked) round
-the activations to bf16 and use oneDNN's matmul on a packed copy. The layer holds those two copies
+matmul). Wider passes (prefill chunks, big batches) round the activations to bf16 and use oneDNN's
+matmul on a packed copy. Where "wider" begins depends on the shape (a wide LM head from 8 rows, an
+attention projection from 32-64), so each shape's crossing is timed once at load (`native_rows`). The layer holds those two copies
 and not the row-major one (twice the weights' memory). Where the CPU has native bf16 through oneDNN
 but the kernel cannot use AVX512-BF16, the fp32 kernel keeps passes below NATIVE_BF16_ROWS and the
 row-major copy. Results then depend on whether a pass is narrower than the threshold, as they do in
@@ -32,6 +33,9 @@ The kernel is one of the engine's C++ CPU kernels (engine/cpu_kernels.py: built 
 needs AVX2 and FMA).
 """
 from __future__ import annotations
+
+import copy
+import time
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +48,14 @@ GROUP = 32               # int8 weights per scale
 PREFILL_ROWS = 512       # above this many rows, widen the weight once and use torch's GEMM
 NATIVE_BF16_ROWS = 4     # where the CPU has native bf16: from this many rows, bf16 weights go through
                          # oneDNN's bf16 matmul (see StreamedLinear.native_rows) ...
-BLOCKED_ROWS = 16        # ... or, where the kernel has AVX512-BF16, from this many (fewer: bf16_dot_linear.cpp)
+BLOCKED_ROWS = 16        # ... or, where the kernel has AVX512-BF16, from at least this many (fewer:
+                         # bf16_dot_linear.cpp, whose rows do not depend on their pass) ...
+ROW_GRID = (16, 24, 32, 48, 64)   # ... from the first of these where oneDNN measured faster on the shape
 BLOCK_OUTPUTS = 4        # the blocked layout groups this many outputs
+_native_rows_by_shape: dict[tuple[int, int], int] = {}   # (in, out) -> rows from which oneDNN is faster
+COLD_BYTES = 64 << 20    # weight bytes cycled through when timing the two (more than a CPU's caches),
+MAX_COPIES = 64          # in at most this many copies of a layer's weight
+SMALL_WEIGHTS = 1 << 16  # layers with fewer weights are not timed (tests' tiny models)
 
 
 def kernel_unavailable_reason() -> str | None:
@@ -105,8 +115,11 @@ class StreamedLinear(nn.Module):
             self.native_rows = NATIVE_BF16_ROWS
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_HINT_ROWS)
             if self._kernel.has_avx512_bf16() and self.out_features % BLOCK_OUTPUTS == 0:
-                self.native_rows = BLOCKED_ROWS
                 self.blocks, self.weight = self._kernel.pack_bf16_blocks(self.weight), None
+                self.native_rows = native_rows(self)
+
+    def weight_elements(self) -> int:
+        return self.in_features * self.out_features
 
     def dense_weight(self) -> torch.Tensor:
         """The weight this linear computes with, in fp32."""
@@ -142,6 +155,63 @@ class StreamedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.fmt}"
+
+
+def native_rows(layer: StreamedLinear) -> int:
+    """From how many rows oneDNN's bf16 matmul beats the blocked kernel on this layer's shape: timed
+    once per shape and process, at the rows of ROW_GRID. Where the crossing lies depends on the
+    shape: on 2 cores of an AVX512-BF16 EPYC, the kernel was faster than oneDNN up to 64 rows on
+    SmolLM2-135M's attention and down projections, up to 16-24 on its gate/up projection, and
+    slower from 8 rows on its LM head. Never below BLOCKED_ROWS, although oneDNN wins on an LM
+    head from about 8 rows: below it a row's logits are the same in every pass, so greedy
+    speculation at small batches gives plain decoding's tokens exactly."""
+    shape = (layer.in_features, layer.out_features)
+    if layer.weight_elements() < SMALL_WEIGHTS:
+        return BLOCKED_ROWS   # microseconds either way: timing it would cost more than it could save
+    if shape not in _native_rows_by_shape:
+        # A forward streams every layer's weights from memory; one layer timed alone stays in the
+        # caches, where the kernel looked up to 1.9x faster than it is in the model. So cycle
+        # through copies of the weight that together outgrow the caches.
+        count = min(MAX_COPIES, -(-COLD_BYTES // (2 * layer.weight_elements())))
+        copies = [_copy_weights(layer) for _ in range(count)]
+        _native_rows_by_shape[shape] = _measure_crossing(
+            lambda x: [c._native_bf16(x) for c in copies], lambda x: [c._streamed(x) for c in copies],
+            layer.in_features)
+    return _native_rows_by_shape[shape]
+
+
+def _copy_weights(layer: StreamedLinear) -> StreamedLinear:
+    twin = copy.copy(layer)
+    twin.blocks, twin.packed = layer.blocks.clone(), layer.packed.clone()
+    return twin
+
+
+def _measure_crossing(native, blocked, width: int) -> int:
+    """The first grid size from which oneDNN (`native`) is faster than the kernel (`blocked`) here
+    and at the next size (one timing can be noise), else the grid's last: past it oneDNN's
+    blocking wins on every shape measured."""
+    faster = []
+    for rows in ROW_GRID:
+        faster.append(_best_seconds(native, rows, width) <= _best_seconds(blocked, rows, width))
+        if faster[-2:] == [True, True]:
+            return ROW_GRID[len(faster) - 2]
+    return ROW_GRID[-1]
+
+
+def _best_seconds(linear, rows: int, width: int, repeats: int = 3) -> float:
+    """The fastest of a few timings of a linear on `rows` rows, each ~0.5 ms or more of calls."""
+    x = torch.randn(rows, width)
+    linear(x)   # oneDNN creates its primitive for this row count on the first call
+    start = time.perf_counter()
+    linear(x)
+    calls = max(1, min(50, int(5e-4 / max(time.perf_counter() - start, 1e-7))))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            linear(x)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
 
 
 def streamable(linear: nn.Module) -> bool:
