@@ -101,13 +101,16 @@ def test_narrow_bf16_passes_use_dot_products_where_the_cpu_has_avx512_bf16(rows,
 
 
 @pytest.mark.parametrize("native, blocked, crossing", [
-    (lambda r: 100 + r, lambda r: 3 * r, 64),        # oneDNN wins from 50 rows: the first grid size past it
+    (lambda r: 200 + r, lambda r: 3 * r, 64),        # oneDNN wins from ~100 rows: the kernel up to the grid's end
+    (lambda r: 100 + r, lambda r: 3 * r, 48),        # within the margin from 47 rows: the first grid size past it
     (lambda r: 1.0, lambda r: 2.0, BLOCKED_ROWS),    # oneDNN always faster: never below the floor
     (lambda r: 2.0, lambda r: 1.0, ROW_GRID[-1]),     # the kernel always faster: oneDNN past the grid
     (lambda r: 0.5 if r == 24 else 2.0 if r < 48 else 0.5, lambda r: 1.0, 48),   # one win alone is noise
+    (lambda r: 1.03, lambda r: 1.0, BLOCKED_ROWS),   # level: oneDNN (the kernel must win by a margin)
 ])
 def test_each_shape_switches_to_onednn_where_it_measured_faster(monkeypatch, native, blocked, crossing):
-    """The crossing is the first grid size from which oneDNN is faster there and at the next size."""
+    """The crossing is the first grid size from which oneDNN is about as fast or faster, there and at
+    the next size."""
     monkeypatch.setattr(streamed_linear, "_best_seconds", lambda linear, rows, width: linear(rows))
     assert streamed_linear._measure_crossing(native, blocked, 64) == crossing
 
