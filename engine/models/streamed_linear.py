@@ -22,9 +22,10 @@ bf16, AVX512-BF16 dot products summed in fp32, a row's result independent of the
 pass (SmolLM2-135M's linears, 2 threads, AVX512-BF16 EPYC, ms a pass at 1 / 4 / 8 rows: 10.7 / 10.1
 / 13.1, against 10.4 / 21.2 / 29.1 for the fp32 kernel here and 16.2 / 17.7 / 17.9 for oneDNN's bf16
 matmul). Wider passes (prefill chunks, big batches) round the activations to bf16 and use oneDNN's
-matmul on a packed copy. Where "wider" begins depends on the shape (a wide LM head from 8 rows, an
-attention projection from 32-64), so each shape's crossing is timed once at load (`native_rows`). The layer holds those two copies
-and not the row-major one (twice the weights' memory). Where the CPU has native bf16 through oneDNN
+matmul on a packed copy. Where "wider" begins depends on the shape (from 16 rows for an LM head,
+up to 64 for an output projection), so each shape's crossing is timed once at load
+(`native_rows`). The layer holds those two copies and not the row-major one (twice the weights'
+memory). Where the CPU has native bf16 through oneDNN
 but the kernel cannot use AVX512-BF16, the fp32 kernel keeps passes below NATIVE_BF16_ROWS and the
 row-major copy. Results then depend on whether a pass is narrower than the threshold, as they do in
 any bf16 engine.
@@ -50,11 +51,11 @@ NATIVE_BF16_ROWS = 4     # where the CPU has native bf16: from this many rows, b
                          # oneDNN's bf16 matmul (see StreamedLinear.native_rows) ...
 BLOCKED_ROWS = 16        # ... or, where the kernel has AVX512-BF16, from at least this many (fewer:
                          # bf16_dot_linear.cpp, whose rows do not depend on their pass) ...
-ROW_GRID = (16, 24, 32, 48, 64)   # ... from the first of these where oneDNN measured faster on the shape
+ROW_GRID = (16, 24, 32, 48, 64)   # ... from the first of these where oneDNN measured as fast on the shape
 BLOCK_OUTPUTS = 4        # the blocked layout groups this many outputs
 _native_rows_by_shape: dict[tuple[int, int], int] = {}   # (in, out) -> rows from which oneDNN is faster
-COLD_BYTES = 64 << 20    # weight bytes cycled through when timing the two (more than a CPU's caches),
-MAX_COPIES = 64          # in at most this many copies of a layer's weight
+COLD_BYTES = 64 << 20    # weight bytes cycled through when timing the two (more than a CPU's caches) ...
+MAX_COPIES = 64          # ... in at most this many copies of a layer's weight
 SMALL_WEIGHTS = 1 << 16  # layers with fewer weights are not timed (tests' tiny models)
 KERNEL_MARGIN = 1.05     # past BLOCKED_ROWS a shape keeps the kernel only where it is this much faster
 
@@ -163,9 +164,10 @@ def native_rows(layer: StreamedLinear) -> int:
     once per shape and process, at the rows of ROW_GRID. Where the crossing lies depends on the
     shape: on 2 cores of an AVX512-BF16 EPYC, with the weights cold, the kernel was 1.17-1.38x
     faster than oneDNN at 16-48 rows on SmolLM2-135M's output projection, 1.13x at 16 on its qkv
-    projection, level on its down projection and 0.71-0.84x on its gate/up projection and LM head. Never below BLOCKED_ROWS, although oneDNN wins on an LM
-    head from about 8 rows: below it a row's logits are the same in every pass, so greedy
-    speculation at small batches gives plain decoding's tokens exactly."""
+    projection, level on its down projection and 0.71-0.84x on its gate/up projection and LM head.
+    Never below BLOCKED_ROWS, although oneDNN wins on an LM head from about 8 rows: below it a
+    row's logits are the same in every pass, so greedy speculation at small batches gives plain
+    decoding's tokens exactly."""
     shape = (layer.in_features, layer.out_features)
     if layer.weight_elements() < SMALL_WEIGHTS:
         return BLOCKED_ROWS   # microseconds either way: timing it would cost more than it could save
