@@ -630,15 +630,16 @@ def test_a_first_look_is_free_only_while_it_is_cheap():
 
 
 def test_a_first_look_is_priced_in_the_requests_own_tokens():
-    """A look delays the whole batch but can pay off only in its own request's tokens: a catch-up
-    that is free alone (under FIRST_LOOK_TOKENS plain steps at batch 1) is not free for each of 16
-    requests arriving together, whose looks would together cost many plain steps."""
+    """A catch-up is the request's own cost: one that is free alone (under FIRST_LOOK_TOKENS plain
+    steps at batch 1) is not free for each of 16 requests arriving together, whose catch-ups would
+    together cost many plain steps. Short prompts' looks stay free at batch 16: the verification
+    shape and the draft forward they share."""
     model = costs(0.0003)
     model.calibrate_plain(1, 0.030)
     model.calibrate_plain(16, 0.060)
     model.catch_up_price["draft"] = 0.0001
-    batch = [(f"r{i}", {"draft": MAX_K}, {"draft": 300}) for i in range(16)]
-    for requests, free in ((batch[:1], True), (batch, False)):
+    for lag, size, free in ((300, 1, True), (300, 16, False), (10, 16, True)):
+        requests = [(f"r{i}", {"draft": MAX_K}, {"draft": lag}) for i in range(size)]
         controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
         plans = controller.plan(requests)
-        assert all(bool(plan.probe) == free for plan in plans.values()), (len(requests), plans)
+        assert all(bool(plan.probe) == free for plan in plans.values()), (lag, size, plans)

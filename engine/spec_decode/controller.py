@@ -33,8 +33,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   lone probe cost ~20 ms on a 70 ms step, and a fourth of the same forward ~1 ms). At most one
   request in eight starts a probing pass in a step. A new request takes one free look at once
   (requests that arrive together share its pass), unless that look costs more than
-  FIRST_LOOK_TOKENS of the request's own plain tokens (a draft model's catch-up on a prompt at a
-  big batch): then it is a paid probe like the others. Deferring it while the engine-wide prior was
+  FIRST_LOOK_STEPS plain steps, or its draft model's catch-up on the prompt more than
+  FIRST_LOOK_TOKENS of the request's own plain tokens: then it is a paid probe like the others. Deferring it while the engine-wide prior was
   strong left a stale prior unchallenged: after low-acceptance traffic, an engine facing alpha 0.7
   at batch 4 never drafted, its requests' catch-up making every paid probe too dear.
 - Estimates from a few judged tokens can be unluckily low, and a request that stops drafting stops
@@ -66,7 +66,8 @@ EXPLORE_JUDGED = 16.0     # an idle request explores (optimistic posterior draws
 EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
 MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is capped at this many plain steps
-FIRST_LOOK_TOKENS = 2.0   # a first look is free while its probe costs at most this many of the request's plain tokens
+FIRST_LOOK_STEPS = 2.0    # a first look is free while its probe costs at most this many plain steps of the batch,
+FIRST_LOOK_TOKENS = 2.0   # and its draft catch-up at most this many of the request's own plain tokens
 MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position (priced per forward)
 HURDLE = 0.05             # a plan must promise this much more goodput than plain decoding: the cost model
                           # errs by about as much, and plain decoding is the safe side of a close call
@@ -403,13 +404,7 @@ class SpecController:
                 if rid in plans or (alone and openers <= 0):
                     continue
                 price = self._probe_price(method, lag, prices, not alone, 0 if alone else first_rows[method])
-                # A look delays the whole batch, but what it may find pays only the request's own
-                # tokens: it is free while it costs at most FIRST_LOOK_TOKENS of them. Dearer ones
-                # (a draft model catching up on a prompt) are paid probes: priced per step (two plain
-                # steps), the free looks of thirteen requests arriving together at 16 streams caught
-                # the draft up on all their prompts in one step (364 ms, nine plain steps), and those
-                # looks cost 6% of the run.
-                look = state.look_due and self.first_look and price <= FIRST_LOOK_TOKENS * prices.plain_token
+                look = state.look_due and self.first_look and self._cheap_look(method, lag, price, prices, batch)
                 if not look and state.credit < price - rate * prices.plain_token:
                     continue
                 openers -= alone
@@ -427,6 +422,20 @@ class SpecController:
         for rid, price in paid.items():
             self.states[rid].probe = (sum(paid.values()) / len(paid) if self.share_probes else price, prices.plain_token)
         return plans, seconds
+
+    def _cheap_look(self, method: str, lag: dict[str, int], price: float, prices: "ProbePrices", batch: int) -> bool:
+        """Whether a first look costing `price` is free: at most FIRST_LOOK_STEPS plain steps in all,
+        and a draft model's catch-up on its prompt at most FIRST_LOOK_TOKENS of the request's own
+        plain tokens. The verification shape and the draft forward are shared by every look of the
+        step (and learning the traffic's rate serves every request), but a catch-up is the request's
+        own: with one bar per look, thirteen requests arriving together at 16 streams each caught
+        the draft up on their prompts, 364 ms in one step (nine plain steps), about 6% of the run."""
+        if price > FIRST_LOOK_STEPS * prices.plain_token * batch:
+            return False
+        if not self._is_model(method):
+            return True
+        catch_up = self.costs.drafting_bias * self.costs.catch_up(lag.get(method, 0), method)
+        return catch_up <= FIRST_LOOK_TOKENS * prices.plain_token
 
     def _probe_price(self, method: str, lag: dict[str, int], prices: "ProbePrices", verifies: bool,
                      rows: int) -> float:
