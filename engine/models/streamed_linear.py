@@ -25,10 +25,9 @@ matmul). Wider passes (prefill chunks, big batches) round the activations to bf1
 matmul on a packed copy. Where "wider" begins depends on the shape (from 16 rows for an LM head,
 up to 64 for an output projection), so each shape's crossing is timed once at load
 (`native_rows`). The layer holds those two copies and not the row-major one (twice the weights'
-memory). Where the CPU has native bf16 through oneDNN
-but the kernel cannot use AVX512-BF16, the fp32 kernel keeps passes below NATIVE_BF16_ROWS and the
-row-major copy. Results then depend on whether a pass is narrower than the threshold, as they do in
-any bf16 engine.
+memory). Where the CPU has native bf16 through oneDNN but the kernel cannot use AVX512-BF16, the
+fp32 kernel keeps passes below NATIVE_BF16_ROWS and the row-major copy. Results then depend on
+whether a pass is narrower than the threshold, as they do in any bf16 engine.
 
 The kernel is one of the engine's C++ CPU kernels (engine/cpu_kernels.py: built on first use,
 needs AVX2 and FMA).

@@ -34,9 +34,10 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   request in eight starts a probing pass in a step. A new request takes one free look at once
   (requests that arrive together share its pass), unless that look costs more than
   FIRST_LOOK_STEPS plain steps, or its draft model's catch-up on the prompt more than
-  FIRST_LOOK_TOKENS of the request's own plain tokens: then it is a paid probe like the others. Deferring it while the engine-wide prior was
-  strong left a stale prior unchallenged: after low-acceptance traffic, an engine facing alpha 0.7
-  at batch 4 never drafted, its requests' catch-up making every paid probe too dear.
+  FIRST_LOOK_TOKENS of the request's own plain tokens: then it is a paid probe like the others.
+  Deferring it while the engine-wide prior was strong left a stale prior unchallenged: after
+  low-acceptance traffic, an engine facing alpha 0.7 at batch 4 never drafted, its requests'
+  catch-up making every paid probe too dear.
 - Estimates from a few judged tokens can be unluckily low, and a request that stops drafting stops
   learning. So a request that planned no drafts last step, and has judged fewer than EXPLORE_JUDGED
   tokens of its own, explores as a bandit does (optimistic Thompson sampling): the plan uses a
