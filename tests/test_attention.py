@@ -277,6 +277,21 @@ def test_plan_groups_and_views():
     assert [(g.first_slot, g.num_keys) for g in windowed[1:]] == [(21 * BLOCK_SIZE + 10, 24), (30 * BLOCK_SIZE + 8, 52)]
 
 
+def test_each_prefill_chunk_takes_its_own_call():
+    """Prefill chunks are not padded to the longest together (16 prompts arriving at once cost ~16x the
+    longest one's attention): each takes the padded path alone, a whole prompt causal without a mask,
+    a chunk after cached keys with its own mask; decode rows keep their plan. Outputs: test_mixed_batch."""
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
+    attention.TORCH_ATTENTION = "sequences"
+    meta = AttentionMetadata.build([40, 70, 1], [40, 90, 20], tables, BLOCK_SIZE, CPU)
+    (decode_rows, decode), (fresh_rows, fresh), (chunk_rows, chunk) = meta.groups
+    assert decode.plan is not None and decode_rows.tolist() == [110]
+    assert fresh.causal and fresh.attn_mask is None and fresh_rows.tolist() == list(range(40))
+    assert not chunk.causal and chunk.attn_mask.shape == (1, 1, 70, 90) and chunk_rows.tolist() == list(range(40, 110))
+    alone = AttentionMetadata.build([70], [90], tables[1:2], BLOCK_SIZE, CPU)
+    assert alone.groups is None and alone.attn_mask.shape == (1, 1, 70, 90)
+
+
 def test_close_key_counts_share_a_call():
     plan = AttentionMetadata.build([1, 1, 1, 5, 5], [200, 100, 40, 90, 80], [[i] * 13 for i in range(5)],
                                    BLOCK_SIZE, CPU).plan
