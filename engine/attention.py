@@ -171,6 +171,8 @@ class AttentionMetadata:
     # The same pass for sliding-window layers; None when no layer slides or the window cuts nothing.
     windowed: "AttentionMetadata | None" = None
     kernel: bool = False                  # decode-shaped: rope_paged_attention's C++ kernel attends, any window
+    kernel_rows: bool = False             # groups: the decode-shaped rows of a pass with prefill chunks are a
+                                          # kernel group (rope_paged_attention takes the pass group by group)
 
     @property
     def num_seqs(self) -> int:
@@ -183,19 +185,24 @@ class AttentionMetadata:
         """Host-side construction from plain lists (one entry per sequence). With sliding_window,
         `windowed` holds the variant its layers read, once some sequence reaches past the window.
         kernel: the model runs the fused CPU ops; a decode-shaped pass is then marked for the
-        attention kernel (and TORCH_ATTENTION "sequences" or "padded" turns that off)."""
+        attention kernel, and so are the decode-shaped rows of a pass with prefill chunks (in the torch
+        path's "sequences" they cost verification rows several times more, and their results depended
+        on whether a prompt shared their pass); TORCH_ATTENTION "sequences" or "padded" turns that off."""
         path = _torch_path(torch.device(device))
-        if kernel and not use_flash and TORCH_ATTENTION == "auto" and max(query_lens) <= SEQUENCE_MAX_QUERY:
+        kernel = kernel and not use_flash and TORCH_ATTENTION == "auto"
+        if kernel and max(query_lens) <= SEQUENCE_MAX_QUERY:
             return cls._build(query_lens, seq_lens, block_tables, block_size, device, False, None, "kernel")
-        meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash, None, path)
+        short_path = "kernel" if kernel else path
+        meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash, None, path, short_path)
         if sliding_window is not None and max(seq_lens) > sliding_window:
             meta.windowed = cls._build(query_lens, seq_lens, block_tables, block_size, device, use_flash,
-                                       sliding_window, path)
+                                       sliding_window, path, short_path)
         return meta
 
     @classmethod
     def _build(cls, query_lens, seq_lens, block_tables, block_size, device, use_flash,
-               window: int | None, path: str) -> "AttentionMetadata":
+               window: int | None, path: str, short_path: str | None = None) -> "AttentionMetadata":
+        """short_path: the path of the decode-shaped rows in a pass with prefill chunks (default: path)."""
         num_seqs = len(query_lens)
         q_lens = np.asarray(query_lens, dtype=np.int64)
         s_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -218,8 +225,7 @@ class AttentionMetadata:
         block_ids = pad_index = mask = groups = plan = None
         causal = False
         short = q_lens <= SEQUENCE_MAX_QUERY
-        split = lambda parts: cls._groups(parts, q_lens, s_lens, q_start, block_tables, block_size, device,
-                                          window, path)
+        split = lambda parts: cls._groups(parts, q_lens, s_lens, q_start, block_tables, block_size, device, window)
         # Prefill chunks (the "sequences" path): one SDPA call each. Padded to the longest together,
         # 16 prompts arriving at once cost ~16x the longest one's attention; alone, a fresh prompt's
         # chunk is plainly causal, which CPU SDPA computes in about half the time of a masked one.
@@ -229,9 +235,10 @@ class AttentionMetadata:
         elif path == "sequences" and short.all():
             plan = SequencePlan.build(table, q_lens, s_lens, q_start, block_size, device, window)
         elif len(prefills) + short.any() > 1:
-            groups = split(([np.flatnonzero(short)] if short.any() else []) + prefills)
+            groups = split(([(np.flatnonzero(short), short_path or path)] if short.any() else [])
+                           + [(p, path) for p in prefills])
         elif max_q > 1 and 1 < (q_lens == 1).sum() < num_seqs:
-            groups = split([np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)])
+            groups = split([(np.flatnonzero(q_lens == 1), path), (np.flatnonzero(q_lens > 1), path)])
         else:
             block_ids = torch.from_numpy(table.reshape(-1)).to(device)
             if max_q > 1:
@@ -261,16 +268,17 @@ class AttentionMetadata:
             plan=plan,
             sliding_window=window,
             kernel=path == "kernel",
+            kernel_rows=groups is not None and any(g.kernel for _, g in groups),
         )
 
     @classmethod
-    def _groups(cls, parts, q_lens, s_lens, q_start, block_tables, block_size, device, window, path):
-        """(token rows, metadata) for each list of sequence indices in parts."""
+    def _groups(cls, parts, q_lens, s_lens, q_start, block_tables, block_size, device, window):
+        """(token rows, metadata) for each (sequence indices, path) in parts."""
         groups = []
-        for seqs in parts:
+        for seqs, part_path in parts:
             rows = np.concatenate([np.arange(q_start[i], q_start[i + 1]) for i in seqs])
             sub = cls._build(q_lens[seqs].tolist(), s_lens[seqs].tolist(), [block_tables[i] for i in seqs],
-                             block_size, device, False, window, path)
+                             block_size, device, False, window if part_path != "kernel" else None, part_path)
             groups.append((torch.from_numpy(rows).to(device), sub))
         return groups
 
@@ -372,8 +380,27 @@ def rope_paged_attention(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tenso
         return cpu_kernels.extension().rope_paged_attention(
             qk, value, cos, sin_signed, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
             meta.block_tables, num_heads, scale, sliding_window or 0)
+    if isinstance(meta, AttentionMetadata) and meta.kernel_rows:
+        return _rope_attention_by_group(qk, value, cos, sin_signed, kv_cache, meta, num_heads, scale, sliding_window)
     query, key = apply_rope(qk, cos, sin_signed).split([num_heads, qk.shape[1] - num_heads], dim=1)
     return paged_attention(query, key, value, kv_cache, meta, scale, sliding_window)
+
+
+def _rope_attention_by_group(qk, value, cos, sin_signed, kv_cache, meta: AttentionMetadata, num_heads: int,
+                             scale: float, sliding_window: int | None) -> torch.Tensor:
+    """A pass whose decode-shaped rows go to the kernel and whose prefill chunks to torch, group by group."""
+    if sliding_window is not None and meta.windowed is not None:
+        meta = meta.windowed
+    out = qk.new_empty(qk.shape[0], num_heads, qk.shape[2])
+    for rows, group in meta.groups:
+        if group.kernel:
+            out[rows] = rope_paged_attention(qk[rows], value[rows], cos[rows], sin_signed[rows], kv_cache, group,
+                                             num_heads, scale, sliding_window)
+            continue
+        query, key = apply_rope(qk[rows], cos[rows], sin_signed[rows]).split([num_heads, qk.shape[1] - num_heads], 1)
+        write_kv(kv_cache, key, value[rows], group.slot_mapping)
+        out[rows] = _torch_paged_attention(query, kv_cache, group, scale)
+    return out
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -195,6 +195,39 @@ def test_kernel_rows_equal_decode_rows_at_every_position(q_len):
 
 
 @needs_kernels
+@pytest.mark.parametrize("window", [None, 24])
+def test_kernel_rows_beside_prefill_chunks(window):
+    """In a pass with prefill chunks, the decode-shaped rows go to the kernel and the chunks to torch: the
+    whole pass equals a float64 dense attention, and the decode rows equal, bit for bit, the same rows in
+    a pass of their own (a prompt sharing the pass changes nothing of theirs)."""
+    q_lens, seq_lens, layouts = (list(x) for x in zip(*MIXED))
+    rng = np.random.default_rng(3)
+    tables = make_tables(seq_lens, layouts, rng)
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, max(max(t) for t in tables) + 1, BLOCK_SIZE, 3, HEAD_DIM, generator=g)
+    tokens = sum(q_lens)
+    qk, value = torch.randn(tokens, 12, HEAD_DIM, generator=g), torch.randn(tokens, 3, HEAD_DIM, generator=g)
+    cos, sin = torch.ones(tokens, 1, HEAD_DIM), torch.zeros(tokens, 1, HEAD_DIM)   # RoPE the identity
+    starts = np.cumsum([0] + q_lens)
+
+    def run(seqs, layer_cache):
+        rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+        meta = AttentionMetadata.build([q_lens[i] for i in seqs], [seq_lens[i] for i in seqs],
+                                       [tables[i] for i in seqs], BLOCK_SIZE, CPU, sliding_window=window, kernel=True)
+        return rows, meta, rope_paged_attention(qk[rows], value[rows], cos[rows], sin[rows], layer_cache, meta, 9,
+                                                HEAD_DIM ** -0.5, window)
+
+    written = cache.clone()
+    _, meta, out = run(range(len(q_lens)), written)
+    assert meta.kernel_rows
+    dense = dense_attention(qk[:, :9], written, q_lens, seq_lens, tables, HEAD_DIM ** -0.5, window).float()
+    assert (out - dense).abs().max().item() < TOL[torch.float32]
+    short = [i for i, q in enumerate(q_lens) if q <= SEQUENCE_MAX_QUERY]
+    rows, alone_meta, alone = run(short, cache.clone())
+    assert alone_meta.kernel and torch.equal(alone, out[rows])
+
+
+@needs_kernels
 def test_kernel_rope_matches_apply_rope():
     """Real cos / sin: the kernel rotates queries and keys as apply_rope does (one sequence, keys and
     queries checked through the cache and the output of a one-key attention)."""
@@ -219,13 +252,14 @@ def test_kernel_rope_matches_apply_rope():
 
 
 @needs_kernels
-def test_kernel_only_for_decode_shaped_passes():
-    """Passes with a prefill chunk longer than SEQUENCE_MAX_QUERY keep the torch paths, as does any pass
-    when TORCH_ATTENTION names one."""
+def test_kernel_only_for_decode_shaped_rows():
+    """A prefill chunk longer than SEQUENCE_MAX_QUERY keeps the torch paths, and the decode-shaped rows of
+    its pass form a kernel group; TORCH_ATTENTION naming a path turns the kernel off."""
     tables = [[0, 1, 2], [3, 4, 5]]
     assert AttentionMetadata.build([1, 33], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True).kernel
     long = AttentionMetadata.build([1, 34], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True)
-    assert not long.kernel and long.groups is not None
+    assert not long.kernel and long.kernel_rows and [g.kernel for _, g in long.groups] == [True, False]
+    assert not AttentionMetadata.build([34], [40], tables[:1], BLOCK_SIZE, CPU, kernel=True).kernel_rows
     assert not AttentionMetadata.build([1, 3], [40, 40], tables, BLOCK_SIZE, CPU).kernel
     attention.TORCH_ATTENTION = "sequences"
     assert not AttentionMetadata.build([1, 3], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True).kernel
