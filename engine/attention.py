@@ -393,13 +393,8 @@ def _rope_attention_by_group(qk, value, cos, sin_signed, kv_cache, meta: Attenti
         meta = meta.windowed
     out = qk.new_empty(qk.shape[0], num_heads, qk.shape[2])
     for rows, group in meta.groups:
-        if group.kernel:
-            out[rows] = rope_paged_attention(qk[rows], value[rows], cos[rows], sin_signed[rows], kv_cache, group,
-                                             num_heads, scale, sliding_window)
-            continue
-        query, key = apply_rope(qk[rows], cos[rows], sin_signed[rows]).split([num_heads, qk.shape[1] - num_heads], 1)
-        write_kv(kv_cache, key, value[rows], group.slot_mapping)
-        out[rows] = _torch_paged_attention(query, kv_cache, group, scale)
+        out[rows] = rope_paged_attention(qk[rows], value[rows], cos[rows], sin_signed[rows], kv_cache, group,
+                                         num_heads, scale, sliding_window)
     return out
 
 
@@ -419,7 +414,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     write_kv(kv_cache, key, value, meta.slot_mapping)
     if isinstance(meta, DecodeMetadata):
         return _decode_attention(query, kv_cache, meta, scale, sliding_window)
-    if sliding_window is not None and meta.max_seq_len > sliding_window:
+    if sliding_window is not None and meta.max_seq_len > sliding_window and meta.sliding_window != sliding_window:
         if meta.windowed is None or meta.windowed.sliding_window != sliding_window:
             raise ValueError(f"a layer with sliding window {sliding_window} got attention metadata built for "
                              f"window {meta.windowed and meta.windowed.sliding_window}")
