@@ -321,6 +321,30 @@ def test_catch_up_is_priced_once_per_request():
     assert controller.plan([("r", {"draft": MAX_K}, {"draft": 100})])["r"].k <= 1
 
 
+def test_prompt_tokens_in_the_pass_do_not_lower_the_bar_for_drafts():
+    """A long prompt chunk in the pass makes the step slow whatever is drafted: the plan must still
+    weigh each draft against what its seconds earn in plain decoding. Priced against the step's own
+    tokens per second (depressed by the prompt), a dear catch-up looked worth it beside a prompt and
+    not without one; now the choice is the same, and the predicted time still holds the prompt."""
+    model = costs(0.0005)
+    model.catch_up_price["draft"] = 0.0004   # 100 tokens of catch-up: 40 ms, more than a step
+    decisions = {}
+    for prefill in (0, 512):
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.7})
+        requests = [(f"r{i}", {"draft": MAX_K}, {"draft": 0}) for i in range(4)]
+        controller.plan(requests)   # no longer new: no first looks
+        plans = controller.plan([(rid, caps, {"draft": 100}) for rid, caps, _ in requests], prefill)
+        decisions[prefill] = {(p.method, p.k) for p in plans.values()}
+        predicted = controller.last_predicted_time
+        assert predicted >= model.step_time(4 + prefill), (prefill, predicted)
+    assert decisions[0] == decisions[512] == {("none", 0)}, decisions
+    # with the catch-up paid, drafting pays beside the prompt as it does without it
+    for prefill in (0, 512):
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.7})
+        plans = controller.plan([(f"r{i}", {"draft": MAX_K}, {"draft": 0}) for i in range(4)], prefill)
+        assert all(p.k >= 2 and not p.probe for p in plans.values()), (prefill, plans)
+
+
 def test_failed_probes_cost_at_most_the_exploration_budget():
     """Acceptance 0: every probe fails. Over 400 steps the probes' extra time stays within
     EXPLORATION of the plain decoding time (plus the first probe and the saved-up credit).

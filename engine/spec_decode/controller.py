@@ -18,7 +18,9 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   with the most expected tokens per added second, while that raises the step's tokens per second
   (a request's first tokens are ranked together when its catch-up makes one alone not worth it).
   Marginal gains fall with k and the bar (the step's current tokens per second) rises with the
-  batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff. A plan that
+  batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff. Prompt tokens
+  sharing the pass are left out of the bar (they cost the same whatever is drafted, and yield no
+  output token): a draft beside a long prompt must beat plain decoding's rate, as any other. A plan that
   promises less than HURDLE (5%) more goodput than plain decoding is dropped: predicted step times
   err by about that much, and in a close call plain decoding cannot lose.
 - A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, a free
@@ -249,12 +251,20 @@ class SpecController:
         self._rates, self._drawn = {}, set()
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens)
+        # Prompt tokens in the pass cost the same whatever is drafted, and yield no output token: a
+        # step's tokens per second with them in is no bar for a draft, which must beat what its
+        # seconds earn in plain decoding. (Priced with them in, a pass beside a long prompt made
+        # the draft model's catch-ups look cheap: 41 ms for ~2 expected tokens on a 20 ms step.)
+        # So the plan's rates leave the prompt's share out; its drafts' prices keep the pass's size.
+        decode_time = self.costs.step_time(len(candidates)) if num_prefill_tokens else plain_time
+        prompt_share = plain_time - decode_time
         # Plan as if the pass verifies drafts (its shape costs more than a plain pass of as many
         # tokens), then keep the plan only if it beats plain decoding at the plain pass's cost.
         bias = self.costs.drafting_bias   # what drafting steps measured over their prediction
         drafting_time = bias * self.costs.verify_time(base_tokens, base_tokens, len(candidates))
         per_token = bias * self.costs.per_token(base_tokens, len(candidates))
-        methods = {rid: self._choose_method(rid, caps, lag, len(candidates), drafting_time, per_token)
+        start_time = max(drafting_time - prompt_share, 1e-9)
+        methods = {rid: self._choose_method(rid, caps, lag, len(candidates), start_time, per_token)
                    for rid, caps, lag in candidates}
         model_rows = Counter(m for m in methods.values() if m is not None and self._is_model(m))
         # Every draft token of a request costs a target row plus its share of a draft forward, and
@@ -266,7 +276,7 @@ class SpecController:
                 row, first = self._prices(methods[rid], lag, model_rows[methods[rid]], per_token)
                 increments += _ironed(rid, self.gains(rid, methods[rid], caps[methods[rid]]), row, first)
         increments.sort(key=lambda item: (-item[0], item[3]))
-        expected, time = float(len(candidates)), max(drafting_time, 1e-9)
+        expected, time = float(len(candidates)), start_time
         taken: dict[str, list[tuple[float, float]]] = {}
         for ratio, gain, seconds, _, rid in increments:
             if ratio <= expected / time:
@@ -279,14 +289,15 @@ class SpecController:
                 gain, seconds = tokens.pop()
                 expected, time = expected - gain, time - seconds
         lags = {rid: lag for rid, _, lag in candidates}
-        expected, time = self._trim_deep_positions(taken, expected, base_tokens, methods, lags)
+        expected, time = self._trim_deep_positions(taken, expected, base_tokens, methods, lags, prompt_share)
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
         bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
-        time = time if ks else plain_time
-        if ks and expected / time < (1.0 + self.hurdle) * len(candidates) / plain_time:   # plain is (about) as good
-            ks, time = {}, plain_time
+        time = time if ks else decode_time
+        if ks and expected / time < (1.0 + self.hurdle) * len(candidates) / decode_time:   # plain is (about) as good
+            ks, time = {}, decode_time
         self.last_depth = max(ks.values(), default=0)
-        prices = ProbePrices(plain_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
+        time += prompt_share
+        prices = ProbePrices(decode_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
         plans = {rid: self._finish(rid, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices)
                  for rid, _, _ in candidates}
         first_rows = Counter(methods[rid] for rid in ks if self._is_model(methods[rid]))
@@ -296,14 +307,16 @@ class SpecController:
         return {**plans, **probes}
 
     def _trim_deep_positions(self, taken: dict[str, list[tuple[float, float]]], expected: float,
-                             base_tokens: int, methods: dict, lags: dict) -> tuple[float, float]:
+                             base_tokens: int, methods: dict, lags: dict, prompt_share: float = 0.0
+                             ) -> tuple[float, float]:
         """The greedy prices a model draft token at its share of a forward over every drafting
         request, but the draft runs one sequential forward per position: the deepest positions,
         reached by a few requests with the highest estimates, cost a whole forward each. Drop the
         deepest position while the exact step time says goodput rises without it. Returns the
-        kept plan's expected tokens and predicted step time (0.0 when nothing was taken)."""
+        kept plan's expected tokens and predicted step time less prompt_share, the prompt tokens'
+        share of the pass (0.0 when nothing was taken)."""
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
-        time = self.predicted_time(base_tokens, ks, methods, lags) if ks else 0.0
+        time = max(self.predicted_time(base_tokens, ks, methods, lags) - prompt_share, 1e-9) if ks else 0.0
         while ks:
             depth = max(ks.values())
             deepest = [rid for rid, k in ks.items() if k == depth and k > 1]
@@ -311,7 +324,7 @@ class SpecController:
                 break
             lost = sum(taken[rid][-1][0] for rid in deepest)
             trimmed = {rid: k - 1 if rid in deepest else k for rid, k in ks.items()}
-            trimmed_time = self.predicted_time(base_tokens, trimmed, methods, lags)
+            trimmed_time = max(self.predicted_time(base_tokens, trimmed, methods, lags) - prompt_share, 1e-9)
             if (expected - lost) / trimmed_time <= expected / time:
                 break
             for rid in deepest:
