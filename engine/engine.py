@@ -16,6 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
 from engine.spec_decode.base import Proposal
+from engine.spec_decode.cadence import PlanCadence
 from engine.verify import VerifyResult, verify
 
 logger = logging.getLogger("specserve.engine")
@@ -42,6 +43,10 @@ class Engine:
         self.device, self.dtype, self.quantization = parts.device, parts.dtype, parts.quantization
         self.target, self.proposer = parts.target, parts.proposer   # proposer: the Router over every proposer
         self.controller, self.costs = parts.controller, parts.costs
+        # Static speculation plans (gamma everywhere) every step; the adaptive controller only
+        # as often as its plans pay for their host time.
+        self.cadence = PlanCadence() if self.controller.adaptive else None
+        self._plan_host_time: float | None = None   # the host seconds of this step's plan (None: no plan)
         self.pool: BlockPool = parts.pool
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
@@ -179,10 +184,16 @@ class Engine:
 
     # ---- speculation control ---------------------------------------------------------
     def _plan(self) -> dict:
-        """The controller's (proposer, k) for every request whose next pass is a decode."""
+        """The controller's (proposer, k) for every request whose next pass is a decode; none on
+        the steps the cadence skips."""
+        self._plan_host_time = None
         decoding = self.scheduler.decoding()
         if not decoding or not self.proposer.proposers:
             return {}
+        if self.cadence is not None and not self.cadence.due():
+            self.controller.skip()
+            return {}
+        started = time.perf_counter()
         candidates, evidence = [], {}
         for request in decoding:
             limit = self.scheduler.draft_limit(request)
@@ -194,7 +205,10 @@ class Engine:
             candidates.append((request.request_id, caps, lags))
             if self.controller.adaptive and self.controller.use_evidence:
                 evidence[request.request_id] = self._evidence(request, caps)
-        return self.controller.plan(candidates, self._pending_prefill(len(decoding)), evidence)
+        steps = self.cadence.last_steps if self.cadence is not None else 1
+        plans = self.controller.plan(candidates, self._pending_prefill(len(decoding)), evidence, steps)
+        self._plan_host_time = time.perf_counter() - started
+        return plans
 
     def _evidence(self, request: Request, caps: dict[str, int]) -> dict[str, list]:
         """Per proposer that reports one (copying proposers; a model's confidence shows only while
@@ -242,6 +256,26 @@ class Engine:
         planned = self.controller.adaptive and self.controller.last_depth > 0
         if num_drafts and predicted and planned and all(item.is_decode for item in batch.scheduled):
             self.costs.observe_drafting_step(predicted, step_time, self.controller.last_depth)
+        if self.cadence is not None and self._plan_host_time is not None:
+            self._judge_plan(batch, proposal, result, num_drafts, step_time)
+
+    def _judge_plan(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, num_drafts: int,
+                    step_time: float) -> None:
+        """Tell the cadence what this step's plan delivered (see spec_decode/cadence.py). A drafting
+        step of decodes alone is charged what it measured over plain decoding's curve: the plan's
+        prediction of it ran 1.75x short at 13-16 requests (in part the draft model's catch-ups, in
+        part the cost of verification rows), and a whole-step scale errs by a large share of the extra."""
+        accepted = sum(result.num_accepted[i] for i, item in enumerate(batch.scheduled)
+                       if item.is_decode and proposal.draft_token_ids[i])
+        controller = self.controller
+        if not num_drafts:
+            extra = 0.0
+        elif all(item.is_decode for item in batch.scheduled):
+            extra = step_time - controller.last_plain_time
+        else:
+            extra = max((controller.last_predicted_time or 0.0) - controller.last_plain_time, 0.0)
+        self.cadence.observe(accepted * controller.last_plain_token, extra, self._plan_host_time)
+        self._plan_host_time = None   # a failed pass rerun request by request is judged once
 
     def _forget(self, request_id: str) -> None:
         self.proposer.on_finish(request_id)
@@ -389,7 +423,14 @@ class Engine:
             chosen_k=tuple(len(d) for item, d in zip(batch.scheduled, proposal.draft_token_ids) if item.is_decode),
             drafts_by_method=tuple((m, p, a) for m, (p, a) in sorted(by_method.items())),
             predicted_time_s=self.controller.last_predicted_time if pure_decode else None,
+            plan_stride=self._plan_stride(),
         )
+
+    def _plan_stride(self) -> int | None:
+        """Steps per plan: the cadence's; static speculation plans every step; none without proposers."""
+        if not self.proposer.proposers:
+            return None
+        return self.cadence.stride if self.cadence is not None else 1
 
 
 def _first_token_prompts(outputs: list[RequestOutput]) -> int:

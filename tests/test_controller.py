@@ -584,7 +584,7 @@ def test_probe_only_steps_do_not_scale_drafting_steps():
     costs = StepCostModel()
     item = SimpleNamespace(is_decode=True, num_new_tokens=1, request=SimpleNamespace(request_id="r"), method="ngram")
     controller = SimpleNamespace(adaptive=True, last_predicted_time=0.05, last_depth=0, observe=lambda *a: None)
-    engine = SimpleNamespace(controller=controller, costs=costs)
+    engine = SimpleNamespace(controller=controller, costs=costs, cadence=None)
     batch = SimpleNamespace(scheduled=[item])
     proposal = SimpleNamespace(draft_token_ids=[[7]])   # one probe token
     result = SimpleNamespace(num_accepted=[0])
@@ -667,3 +667,85 @@ def test_a_first_look_is_priced_in_the_requests_own_tokens():
         controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
         plans = controller.plan(requests)
         assert all(bool(plan.probe) == free for plan in plans.values()), (lag, size, plans)
+
+
+# ---- the plan's cadence ------------------------------------------------------------------------
+
+def test_cadence_plans_less_often_while_plans_do_not_pay():
+    from engine.spec_decode.cadence import MAX_STRIDE, PlanCadence
+    cadence = PlanCadence()
+    due = [cadence.due() for _ in range(3)]
+    assert due == [True] * 3 and cadence.last_steps == 1   # no verdict yet: every step
+    strides = []
+    for _ in range(4):   # plans that won nothing and cost host time
+        cadence.observe(0.0, 0.001, 0.0005)
+        strides.append(cadence.stride)
+    assert strides == [2, 4, MAX_STRIDE, MAX_STRIDE] and MAX_STRIDE == 4
+    due = [cadence.due() for _ in range(8)]
+    assert due == [False, False, False, True] * 2 and cadence.last_steps == 4
+    cadence.observe(0.2, 0.001, 0.0005)   # a plan whose drafts won plenty: every step again
+    assert cadence.stride == 1 and cadence.due()
+
+
+class CopyDrafts:
+    """A free proposer that drafts the plain greedy continuation, each token right with probability
+    alpha (else another token): acceptance as set, whatever the tiny model writes."""
+    method = "ngram"
+
+    def __init__(self, truth: dict[tuple, list[int]], alpha: float, seed: int = 0):
+        self.truth, self.alpha, self.rng = truth, alpha, random.Random(seed)
+
+    def max_drafts(self, request, limit):
+        return limit
+
+    def catch_up_tokens(self, request):
+        return 0
+
+    def propose(self, items):
+        from engine.spec_decode.base import Proposal
+        drafts = []
+        for item in items:
+            request = item.request
+            start = request.num_output_tokens
+            truth = self.truth[tuple(request.token_ids[:request.num_prompt_tokens])][start:start + item.num_lookahead]
+            drafts.append([t if self.rng.random() < self.alpha else (t + 1) % 256 for t in truth])
+        return Proposal(drafts, None)
+
+    def on_verified(self, request):
+        pass
+
+    def on_finish(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_plans_that_do_not_pay_are_made_less_often(pair, alpha):
+    """Planning costs host time. When its drafts win nothing, the engine plans only every few steps
+    and decodes plainly in between, with no speculation work at all; when they win, it plans every
+    step. The output is plain greedy output either way."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.spec_decode.cadence import MAX_STRIDE
+    target, _ = pair
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain, _ = run({"model": target}, params)
+    engine = Engine(EngineConfig(model=target, dtype="float32",
+                                 speculative={"method": "ngram", "num_speculative_tokens": 4}))
+    engine.proposer.proposers["ngram"] = CopyDrafts({tuple(p): t for p, t in zip(PROMPTS, plain)}, alpha)
+    calls, plans = [0, 0], engine.controller.plan
+
+    def counted(*args, **kwargs):
+        calls[1] += 1
+        return plans(*args, **kwargs)
+
+    engine.controller.plan = counted
+    due = engine.cadence.due
+    engine.cadence.due = lambda: (calls.__setitem__(0, calls[0] + 1), due())[1]
+    tokens, finals = run_requests(engine, PROMPTS, params)
+    assert tokens == plain
+    steps, planned = calls
+    if alpha == 0.0:
+        assert engine.cadence.stride == MAX_STRIDE and planned < steps / 2, (steps, planned)
+    else:
+        assert engine.cadence.stride == 1 and planned == steps, (steps, planned)
+        assert sum(f.spec.accepted for f in finals) > 2 * sum(f.spec.target_forwards for f in finals)

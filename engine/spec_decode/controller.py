@@ -48,6 +48,9 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   tokens paid for the draw's optimism where the true rate made one token pay). One near the break-even drafts again now and then until its
   own evidence counts; one far from paying off almost never does. Requests that draft learn every
   step and plan on the mean; those with evidence of their own are watched by probes.
+- How often the engine plans at all is the cadence's call (cadence.py): a plan is host work, and
+  plans that do not pay for it are made only every few steps (`plan(steps=...)` says how many a
+  plan stands for, so exploration credit accrues per step all the same).
 - Each drafting request also gets a confidence bar for the draft loop: it stops drafting once the
   draft's probability of its own tokens so far, multiplied, falls below the marginal gain the plan
   needed (or `draft_p_min`, when configured).
@@ -152,6 +155,9 @@ class SpecController:
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
         self.last_depth = 0   # the longest draft of the last plan (what its predicted time was priced at)
+        self.last_plain_time = 0.0    # the last plan's step as plain decoding, prompt tokens included
+        self.last_plain_token = 0.0   # ... and plain decoding's seconds per output token at its batch
+        self._steps = 1               # steps the current plan stands for (the cadence's skipped ones too)
         self.explore = explore
         self.hurdle = HURDLE
         self.first_look = True   # a new request's first probe is free (the ablation switches it off)
@@ -235,13 +241,19 @@ class SpecController:
         return [min(MAX_POSITION_RATE, ratio * self.calibration.rate(method, key, prior)) for key in keys]
 
     # ---- the plan ------------------------------------------------------------------
+    def skip(self) -> None:
+        """A step without a plan (see spec_decode/cadence.py): plain decoding, nothing predicted."""
+        self.last_predicted_time, self.last_depth = None, 0
+
     def plan(self, candidates: list[tuple[str, dict[str, int], dict[str, int]]], num_prefill_tokens: int = 0,
-             evidence: dict[str, dict[str, list]] | None = None) -> dict[str, Plan]:
+             evidence: dict[str, dict[str, list]] | None = None, steps: int = 1) -> dict[str, Plan]:
         """candidates: per decoding request (request id, {method: most drafts it can take now},
         {method: tokens that method must catch up on first}); evidence: per request and method, the
-        evidence key of each draft it could offer, from proposers that report them. Returns a Plan
-        per request id."""
+        evidence key of each draft it could offer, from proposers that report them; steps: how many
+        steps this plan stands for (exploration credit accrues for each). Returns a Plan per
+        request id."""
         self._keys = evidence or {}
+        self._steps = steps
         if not self.adaptive:
             plans = {rid: self._static(caps) for rid, caps, _ in candidates}
             self.last_predicted_time = self.predicted_time(
@@ -258,6 +270,7 @@ class SpecController:
         # So the plan's rates leave the prompt's share out; its drafts' prices keep the pass's size.
         decode_time = self.costs.step_time(len(candidates)) if num_prefill_tokens else plain_time
         prompt_share = plain_time - decode_time
+        self.last_plain_time, self.last_plain_token = plain_time, decode_time / len(candidates)
         # Plan as if the pass verifies drafts (its shape costs more than a plain pass of as many
         # tokens), then keep the plan only if it beats plain decoding at the plain pass's cost.
         bias = self.costs.drafting_bias   # what drafting steps measured over their prediction
@@ -379,7 +392,7 @@ class SpecController:
         state = self.states.setdefault(rid, RequestSpecState())
         state.idle = k == 0
         if k == 0:
-            _add_credit(state, EXPLORATION * prices.plain_token, prices.plain_token)
+            _add_credit(state, EXPLORATION * prices.plain_token * self._steps, prices.plain_token)
             return NO_PLAN
         state.look_due = False   # it drafts: it learns without a look
         # Confidence stop: drafting on is worth it while P(all drafts so far accepted) stays near

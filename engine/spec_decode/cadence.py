@@ -1,0 +1,48 @@
+"""How often the engine plans speculation: a plan costs host time too, and must pay for itself.
+
+A plan looks up every decoding request's drafts (suffix and n-gram indexes), calibrates their
+evidence and prices every proposer: ~1 ms of host time a step at 10-16 requests on the 2-core
+dev machine, 2-4% of the step. Where drafting wins little (large batches on CPU, low acceptance)
+that is all a plan achieves: on Spec-Bench at 16 streams, plans that were made and then thrown
+away (plain decoding) cost 3.6% of plain decoding's throughput.
+
+So each plan is judged by what it delivered: the plain-decoding time of the draft tokens its step
+accepted, less the extra time its drafts and probes took (a step of decodes alone: measured against
+plain decoding's cost curve; one with prompt work: as predicted), less the host time of the plan
+itself. While the average over recent plans is below zero, the engine plans only every `stride`
+steps (doubling up to MAX_STRIDE) and decodes plainly in between, with no host work for
+speculation; once the average is back above zero, it plans every step. The controller's exploration credit accrues for
+every step a plan covers, so probes look for acceptance coming back as often per step as before.
+
+Bookkeeping only: no tensors here.
+"""
+from __future__ import annotations
+
+MAX_STRIDE = 4        # at most this many steps per plan: recovery waits at most MAX_STRIDE - 1 steps
+VALUE_WEIGHT = 0.1    # weight of the newest plan in the running average (a memory of ~10 plans)
+
+
+class PlanCadence:
+    """Whether this step plans; the running value of recent plans decides how often."""
+
+    def __init__(self, max_stride: int = MAX_STRIDE):
+        self.max_stride = max_stride
+        self.stride = 1
+        self.value = 0.0          # running average of what a plan delivered, in seconds
+        self._since_plan = 0      # steps since the last plan
+        self.last_steps = 1       # steps the last plan stands for (itself and those skipped before it)
+
+    def due(self) -> bool:
+        """Called once per step with decoding requests: whether this one plans."""
+        self._since_plan += 1
+        if self._since_plan < self.stride:
+            return False
+        self.last_steps, self._since_plan = self._since_plan, 0
+        return True
+
+    def observe(self, won_seconds: float, extra_seconds: float, host_seconds: float) -> None:
+        """A plan's outcome: the plain-decoding time of the tokens its drafts won, the extra step
+        time they were predicted to cost, and the host time of planning."""
+        value = won_seconds - extra_seconds - host_seconds
+        self.value += VALUE_WEIGHT * (value - self.value)
+        self.stride = 1 if self.value >= 0.0 else min(self.max_stride, 2 * self.stride)
