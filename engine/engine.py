@@ -237,40 +237,40 @@ class Engine:
 
     def _learn(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, verify_time: float,
                step_time: float) -> None:
-        """Feed the controller what verification made of each draft, and the cost model the pass and
-        step times."""
+        """Feed the controller what verification made of each draft, the cost model the pass and
+        step times, and the cadence what the step's plan delivered."""
+        accepted = 0   # draft tokens accepted this step
         for i, item in enumerate(batch.scheduled):
             if not item.is_decode:
                 continue
             drafts = proposal.draft_token_ids[i]
             if drafts:
                 self.controller.observe(item.request.request_id, item.method, len(drafts), result.num_accepted[i])
+                accepted += result.num_accepted[i]
         num_drafts = sum(len(d) for d in proposal.draft_token_ids)
         self.costs.observe_pass(sum(s.num_new_tokens for s in batch.scheduled) + num_drafts, verify_time,
                                 num_drafts > 0, len(batch.scheduled))
         predicted = self.controller.last_predicted_time
+        pure_decode = all(item.is_decode for item in batch.scheduled)
         # Only steps the plan priced as drafting steps: a step whose only drafts are probes was
         # predicted as a plain step, and taking it for a drafting one inflated the scale of every
         # drafting step (to 1.4 at alpha 0.7, batch 4), which planned fewer drafts and left more
         # steps to probes alone.
         planned = self.controller.adaptive and self.controller.last_depth > 0
-        if num_drafts and predicted and planned and all(item.is_decode for item in batch.scheduled):
+        if num_drafts and predicted and planned and pure_decode:
             self.costs.observe_drafting_step(predicted, step_time, self.controller.last_depth)
         if self.cadence is not None and self._plan_host_time is not None:
-            self._judge_plan(batch, proposal, result, num_drafts, step_time)
+            self._judge_plan(accepted, num_drafts, pure_decode, step_time)
 
-    def _judge_plan(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, num_drafts: int,
-                    step_time: float) -> None:
+    def _judge_plan(self, accepted: int, num_drafts: int, pure_decode: bool, step_time: float) -> None:
         """Tell the cadence what this step's plan delivered (see spec_decode/cadence.py). A drafting
         step of decodes alone is charged what it measured over plain decoding's curve: the plan's
         prediction of it ran 1.75x short at 13-16 requests (in part the draft model's catch-ups, in
         part the cost of verification rows), and a whole-step scale errs by a large share of the extra."""
-        accepted = sum(result.num_accepted[i] for i, item in enumerate(batch.scheduled)
-                       if item.is_decode and proposal.draft_token_ids[i])
         controller = self.controller
         if not num_drafts:
             extra = 0.0
-        elif all(item.is_decode for item in batch.scheduled):
+        elif pure_decode:
             extra = step_time - controller.last_plain_time
         else:
             extra = max((controller.last_predicted_time or 0.0) - controller.last_plain_time, 0.0)

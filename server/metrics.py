@@ -50,9 +50,10 @@ decode step the controller predicted a time for (``StepStats.predicted_time_s``)
 - ``spec_decode_step_time_ratio`` (histogram) observes measured / predicted per step, for the
   spread of the error (its quantiles), which the ratio of sums hides.
 
-``spec_decode_plan_stride`` is the engine's steps per speculation plan (adaptive speculation only,
-see ``engine/spec_decode/cadence.py``): 1 while plans pay for their host time, up to 4 while they do
-not (the steps in between decode plainly).
+``spec_decode_plan_stride`` is the engine's steps per speculation plan (see
+``engine/spec_decode/cadence.py``): under adaptive speculation 1 while plans pay for their host
+time, up to 4 while they do not (the steps in between decode plainly); static speculation plans
+every step (1); not exported for method "none".
 
 Gauges derived over a window (the last ``window_steps`` steps, see ``_SpecWindow``):
 - ``spec_decode_acceptance_rate`` = accepted / proposed draft tokens over recent steps that
@@ -257,7 +258,7 @@ class Metrics:
         if method == "none":
             self._speedup.labels(**spec).set(1.0)
         self.plan_stride = gauge(
-            "spec_decode_plan_stride", "Engine steps per speculation plan (adaptive speculation): 1 = every step; "
+            "spec_decode_plan_stride", "Engine steps per speculation plan: 1 = every step (always, for static speculation); "
             "more = recent plans did not pay for their host time, so the steps between plans decode plainly.", spec)
 
         # Engine and request counters.

@@ -11,8 +11,9 @@ accepted, less the extra time its drafts and probes took (a step of decodes alon
 plain decoding's cost curve; one with prompt work: as predicted), less the host time of the plan
 itself. While the average over recent plans is below zero, the engine plans only every `stride`
 steps (doubling up to MAX_STRIDE) and decodes plainly in between, with no host work for
-speculation; once the average is back above zero, it plans every step. The controller's exploration credit accrues for
-every step a plan covers, so probes look for acceptance coming back as often per step as before.
+speculation; once the average is back above zero, it plans every step. The controller's
+exploration credit accrues for every step a plan covers, so probes look for acceptance coming back
+as often per step as before.
 
 Bookkeeping only: no tensors here.
 """
@@ -42,7 +43,7 @@ class PlanCadence:
 
     def observe(self, won_seconds: float, extra_seconds: float, host_seconds: float) -> None:
         """A plan's outcome: the plain-decoding time of the tokens its drafts won, the extra step
-        time they were predicted to cost, and the host time of planning."""
+        time its drafts and probes took, and the host time of planning."""
         value = won_seconds - extra_seconds - host_seconds
         self.value += VALUE_WEIGHT * (value - self.value)
         self.stride = 1 if self.value >= 0.0 else min(self.max_stride, 2 * self.stride)

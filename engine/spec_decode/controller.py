@@ -20,9 +20,9 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   Marginal gains fall with k and the bar (the step's current tokens per second) rises with the
   batch, so k shrinks smoothly as the batch grows: no batch-size table, no cliff. Prompt tokens
   sharing the pass are left out of the bar (they cost the same whatever is drafted, and yield no
-  output token): a draft beside a long prompt must beat plain decoding's rate, as any other. A plan that
-  promises less than HURDLE (5%) more goodput than plain decoding is dropped: predicted step times
-  err by about that much, and in a close call plain decoding cannot lose.
+  output token): a draft beside a long prompt must beat plain decoding's rate, as any other. A
+  plan that promises less than HURDLE (5%) more goodput than plain decoding is dropped: predicted
+  step times err by about that much, and in a close call plain decoding cannot lose.
 - A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, a free
   one when there is one, else the draft model, its catch-up priced in), so it notices when
   acceptance comes back. Probing is paid from an exploration budget: each step adds EXPLORATION of
