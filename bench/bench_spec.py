@@ -84,11 +84,13 @@ class OracleProposer:
         self.draft.on_finish(request_id)
 
 
+ENGINE_OPTIONS: dict = {}   # options every engine of the run gets (main sets cuda_graphs from --cuda-graphs)
 KV_BYTES = 512 << 20   # 4,096 tokens of the fp32 target: batch 16 needs ~1,700; seven engines of 1 GiB ran out of memory
 
 
 def speculative_llm(target: str, draft: str, dtype: str, gamma: int, adaptive: bool, batch: int) -> LLM:
     return LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16), kv_cache_memory_bytes=KV_BYTES,
+               **ENGINE_OPTIONS,
                speculative={"method": "draft", "model": draft, "num_speculative_tokens": gamma, "adaptive": adaptive})
 
 
@@ -268,7 +270,7 @@ def sweep(target, draft, dtype, prompts, continuations, new_tokens, alphas, batc
           + (f" {'fresh':>7} {'fr/best':>8}" if fresh else ""))
     rows = []
     for batch in batches:
-        llms = {"plain": LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16),
+        llms = {"plain": LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16), **ENGINE_OPTIONS,
                              kv_cache_memory_bytes=KV_BYTES)}
         llms.update({g: speculative_llm(target, draft, dtype, g, False, batch) for g in STATIC_GAMMAS})
         llms["adaptive"] = speculative_llm(target, draft, dtype, max(STATIC_GAMMAS), True, batch)
@@ -332,6 +334,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="lock-step runs per cell")
     parser.add_argument("--fresh", action="store_true",
                         help="also run a new adaptive engine per sweep cell beside the one carried through the row")
+    parser.add_argument("--cuda-graphs", action="store_true", help="GPU: every engine replays decode and "
+                        "verification passes as CUDA graphs")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: theory,sweep,shift")
     root = os.path.join(tempfile.gettempdir(), "specserve-bench")
     parser.add_argument("--model-dir", default=os.path.join(root, "target"))
@@ -343,7 +347,8 @@ def main(argv=None) -> None:
 
     target = random_llama(args.model_dir)
     draft = random_llama(args.draft_dir, seed=1, **{k: v for k, v in SMALL_DRAFT.items()})
-    plain_llm = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(batches + [16]))
+    ENGINE_OPTIONS.update(cuda_graphs=args.cuda_graphs)
+    plain_llm = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(batches + [16]), **ENGINE_OPTIONS)
     prompts, continuations = oracle_prompts(plain_llm, max(batches) * (args.repeats + 1), args.new_tokens)
     shift_tokens = 3 * args.new_tokens
     shift_continuation = plain_llm.generate(prompts[:1], SamplingParams(

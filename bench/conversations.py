@@ -14,6 +14,7 @@ requests are in flight.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ from pathlib import Path
 from engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
+# SPECSERVE_BENCH_QUESTIONS: the file elsewhere (a machine without the shared data beside the checkout)
+QUESTIONS = Path(os.environ.get("SPECSERVE_BENCH_QUESTIONS")
+                 or ROOT.parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl")
 
 
 @dataclass

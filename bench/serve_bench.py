@@ -19,7 +19,7 @@ one carries (a speculative chunk carries several).
 
 --variants chooses our server configurations, by name: `ours` (plain decoding, the engine core in its
 own process with the default threads), `thread` (the engine loop on a thread of the API process),
-`process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation), `fp32` / `int8`
+`process-1` / `thread-1` (one engine thread), `spec` (the config's own speculation), `graphs` / `spec-graphs` (GPU: with `cuda_graphs`), `fp32` / `int8`
 (plain decoding with `quantization: none` / `int8`; `ours` has the config's, auto by default; `fp32` then
 serves bf16 where the CPU computes it natively),
 `spec-int8`, `torch-ops` (plain decoding with the fused CPU ops off: SPECSERVE_CPU_KERNELS=0), and
@@ -64,6 +64,8 @@ VARIANTS = {   # name -> (extra flags of `specserve serve`, extra environment)
     "active": (["--speculative-config", PLAIN], {"OMP_WAIT_POLICY": "ACTIVE"}),
     "passive": (["--speculative-config", PLAIN], {"OMP_WAIT_POLICY": "PASSIVE"}),
     "spec": ([], {}),
+    "graphs": (["--speculative-config", PLAIN, "--cuda-graphs", "true"], {}),   # GPU: decode passes as CUDA graphs
+    "spec-graphs": (["--cuda-graphs", "true"], {}),
     # quantization none: the model's own weights, in the dtype auto then picks (bf16 where native, else fp32)
     "fp32": (["--speculative-config", PLAIN, "--quantization", "none"], {}),
     "int8": (["--speculative-config", PLAIN, "--quantization", "int8"], {}),
