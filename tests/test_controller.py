@@ -431,6 +431,31 @@ def test_a_seldom_run_shape_moves_with_the_machine_pace():
         model.observe_pass(1, 0.020, False, 1)
         model.observe_pass(2, 0.021, True, 1)
     assert model.pace == pytest.approx(1.0, rel=0.01)
+class _TimedProposer:
+    """A model proposer whose steps take the given seconds in turn (the first ones slow, as a new
+    shape's are), reported through on_forward as the draft model reports them."""
+    method = "draft"
+
+    def __init__(self, seconds: list[float]):
+        self.seconds, self.on_forward = iter(seconds), None
+        self.reported = []
+
+    def propose(self, items):
+        self.on_forward(len(items), next(self.seconds), 0)
+
+
+def test_draft_calibration_keeps_the_fastest_step_after_warm_up():
+    """Start-up seeds the draft curve from warmed steps: a first step that created kernels or
+    captured a CUDA graph (8 ms against 1) must not set what drafting costs, and the proposer's own
+    reporting is back in place afterwards."""
+    from engine.setup import _fastest_draft_step
+
+    proposer = _TimedProposer([0.008, 0.0005, 0.0012, 0.001, 0.0011])
+    proposer.on_forward = report = lambda rows, seconds, catch_up: proposer.reported.append(seconds)
+    assert _fastest_draft_step(proposer, [object()]) == 0.001   # warm-up steps (even a fast one) skipped
+    assert proposer.on_forward is report and proposer.reported == []
+
+
 def test_waiting_requests_count_as_prefill_only_when_they_can_be_admitted(pair):
     """With every sequence slot taken, waiting prompts cannot join the next pass, so they must not
     make the controller think the pass is big (and drafts nearly free)."""

@@ -440,3 +440,20 @@ def test_ngram_index_answers_as_a_scan_of_the_context(ngram_min, ngram_max):
             assert index.lookup(k) == ngram_lookup(np.asarray(tokens), ngram_min, ngram_max, k), (len(tokens), k)
             checked += bool(index.lookup(k))
     assert checked > 100   # most contexts of 6 symbols have a match
+
+
+def test_greedy_draft_choice_matches_the_sampler():
+    """The draft loop's greedy shortcut picks what the sampler picks (argmax, lowest index on ties)
+    and reports the draft's softmax probability of it, as the sampled path does for greedy rows."""
+    from engine.sampler import SamplingTensors, sample, warp_probs
+    from engine.spec_decode.draft_model import greedy_choice
+
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(0)) * 4
+    logits[2, 7] = logits[2, 300] = logits[2].max() + 1.0   # a tie: the lower index wins
+    logits = logits.to(torch.bfloat16)
+    tensors = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 6, logits.device)
+    expected = sample(warp_probs(logits, tensors), tensors.is_greedy, [None] * 6)
+    tokens, own = greedy_choice(logits)
+    assert tokens == expected.tolist() and tokens[2] == 7
+    softmax = logits.float().softmax(dim=-1)
+    assert own == pytest.approx(softmax[torch.arange(6), expected].tolist(), rel=1e-5)

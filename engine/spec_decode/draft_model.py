@@ -74,20 +74,14 @@ class DraftModelProposer:
         confidence = [1.0] * len(items)
         active = list(range(len(items)))
         for step in range(max_k):
-            tensors = SamplingTensors.from_params([params[a] for a in active], logits.device)
-            probs = warp_probs(logits, tensors)
-            noise = [None if requests[a].noise is None else requests[a].noise.at(requests[a].num_output_tokens + step)
-                     for a in active]   # seeded requests draft with the noise the target will draw with
-            tokens = sample(probs, tensors.is_greedy, [requests[a].generator for a in active], noise)
-            # The draft's confidence in its token: q for sampled rows; for greedy rows (whose q is
-            # one-hot) the draft's own softmax.
-            sure = torch.where(tensors.is_greedy.unsqueeze(1), logits.float().softmax(dim=-1), probs)
-            own = sure.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-            if draft_probs is not None:
-                draft_probs[torch.tensor(active, device=probs.device), step] = probs
-            for row, (a, token) in enumerate(zip(active, tokens.tolist())):
+            if all(params[a].greedy for a in active):
+                tokens, own = greedy_choice(logits)
+            else:
+                tokens, own = self._sampled_choice(logits, [requests[a] for a in active],
+                                                   [params[a] for a in active], step, draft_probs, active)
+            for a, token, p in zip(active, tokens, own):
                 drafts[a].append(token)
-                confidence[a] *= own[row]
+                confidence[a] *= p
             self._observe(rows, started, catch_up)   # a draft step: the forward and its sampling
             active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min]
             if not active:
@@ -95,6 +89,23 @@ class DraftModelProposer:
             rows, catch_up, started = len(active), 0, time.perf_counter()
             logits = self._fit_vocab(self._feed_drafts([items[a] for a in active], [drafts[a] for a in active]))
         return Proposal(drafts, draft_probs)
+
+    @staticmethod
+    def _sampled_choice(logits: torch.Tensor, requests: list[Request], params: list, step: int,
+                        draft_probs: torch.Tensor | None, active: list[int]) -> tuple[list[int], list[float]]:
+        """Draft tokens of rows that may sample, and the draft's confidence in each: q for sampled
+        rows; for greedy rows (whose q is one-hot) the draft's own softmax. Writes q into
+        draft_probs (the rows rejection sampling verifies)."""
+        tensors = SamplingTensors.from_params(params, logits.device)
+        probs = warp_probs(logits, tensors)
+        noise = [None if r.noise is None else r.noise.at(r.num_output_tokens + step)
+                 for r in requests]   # seeded requests draft with the noise the target will draw with
+        tokens = sample(probs, tensors.is_greedy, [r.generator for r in requests], noise)
+        sure = torch.where(tensors.is_greedy.unsqueeze(1), logits.float().softmax(dim=-1), probs)
+        own = sure.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if draft_probs is not None:
+            draft_probs[torch.tensor(active, device=probs.device), step] = probs
+        return tokens.tolist(), own.tolist()
 
     def _observe(self, rows: int, started: float, catch_up: int) -> None:
         if self.on_forward is not None:   # the .tolist() calls above waited for the device
@@ -135,3 +146,14 @@ class DraftModelProposer:
             forward.append(ForwardItem([tokens[-1]], position, request.block_table, 1))
             self._set_cursor(request, position + 1)
         return self.runner.forward(forward)
+
+
+def greedy_choice(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Greedy rows' draft tokens (argmax, lowest index on ties, as the sampler) and the draft's
+    softmax probability of each, exp(max - logsumexp): none of the sampling tensors, one-hot rows
+    and full softmax that the sampled path builds every step (on a GPU, where the forward replays
+    as one graph, those small launches are much of a draft step)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    own = (logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)).exp()
+    return tokens.tolist(), own.tolist()
