@@ -9,7 +9,7 @@ import pytest
 from helpers import run_requests
 
 from engine import SamplingParams
-from engine.spec_decode.controller import SpecController
+from engine.spec_decode.controller import EXPLORATION, RequestSpecState, SpecController
 from engine.spec_decode.estimates import GLOBAL_DECAY, DecayedCounts
 from engine.step_timer import StepCostModel
 
@@ -114,16 +114,19 @@ def test_workload_shift_turns_drafting_down_and_back_up():
 def test_exploration_recovers_from_an_unlucky_start():
     """Acceptance is 0.7, but the first judged drafts of every request in a batch of 4 were
     unlucky (2 of 8), so every estimate says drafting does not pay. A verification-shaped pass
-    costs 4 ms more than a plain one (as on CPUs), which makes probes dear: without exploration the
-    batch stays at k = 0; with it, the requests draft again within 20 steps and keep drafting."""
+    costs 4 ms more than a plain one (as on CPUs), which makes probes dear: without exploration
+    draws and with every probe priced alone, the batch stays at k = 0; with draws, the requests draft
+    again within 20 steps and keep drafting; without draws, the requests' pooled credit opens shared
+    probe passes, which find the acceptance too."""
     model = costs(0.002)
     for tokens in (1, 2, 4, 8):
         model.plain.calibrate(tokens, 0.030 + 0.0005 * tokens)
     for tokens in (8, 16, 32, 64):
         model.calibrate_verify(4, tokens, 0.028 + 0.001 * tokens)
 
-    def run(explore: bool) -> list[int]:
+    def run(explore: bool, share: bool = True) -> list[int]:
         controller = SpecController(["draft"], MAX_K, model, explore=explore)
+        controller.share_probes = share
         rng = random.Random(3)
         rids = [f"r{i}" for i in range(4)]
         for rid in rids:
@@ -140,9 +143,49 @@ def test_exploration_recovers_from_an_unlucky_start():
                     accepted += 1
                 controller.observe(rid, p.method, p.k, accepted)
         return drafted
-    assert sum(run(explore=False)[:30]) == 0
+    assert sum(run(explore=False, share=False)[:30]) == 0
     exploring = run(explore=True)
     assert sum(exploring[:20]) > 0 and min(exploring[30:]) > 0 and sum(exploring[30:]) >= 4 * 30
+    pooled = run(explore=False)
+    assert sum(pooled[:30]) > 0 and sum(pooled[30:]) >= 4 * 30
+
+
+def test_a_batch_that_stopped_drafting_pools_its_credit_to_probe():
+    """Sixteen idle requests whose estimates (0.8) say drafting does not pay, and a verification-
+    shaped pass far dearer than a plain one (at 16 streams on the dev CPU it was 53 ms on a 115 ms
+    step): more than any one request's capped credit, so priced alone no request ever probed and a
+    batch that stopped drafting on an unlucky streak decoded plainly to its end (0.87 of the best
+    static gamma at alpha 0.9). Together their credit opens a shared probe pass now and then,
+    within the exploration budget, and each prober pays its share of the shape."""
+    model = StepCostModel()
+    for rows in (1, 2, 4, 8, 16):
+        model.calibrate_plain(rows, 0.030 + 0.0053 * rows)
+    for tokens, seconds in ((32, 0.250), (64, 0.330), (144, 0.520)):
+        model.calibrate_verify(16, tokens, seconds)
+    model.draft.calibrate(16, 0.017)
+    rids = [f"r{i}" for i in range(16)]
+
+    def run(share: bool) -> tuple[int, float]:
+        controller = SpecController(["draft"], MAX_K, model, explore=False)
+        controller.share_probes = share
+        with_history(controller, {"draft": 0.8})
+        for rid in rids:   # each has drafted: no first look left, an estimate of its own
+            controller.states[rid] = RequestSpecState(look_due=False)
+            for accepted in (3, 8, 0, 5, 2):
+                controller.observe(rid, "draft", MAX_K, accepted)
+        probes, extra = 0, 0.0
+        for _ in range(300):
+            plans = controller.plan([(rid, {"draft": MAX_K}, {"draft": 0}) for rid in rids])
+            assert all(p.probe or p.k == 0 for p in plans.values())   # drafting itself never pays here
+            probes += sum(p.probe for p in plans.values())
+            extra += controller.last_predicted_time - model.step_time(16)
+            for rid, p in plans.items():
+                controller.observe(rid, p.method, p.k, 0)   # every probe fails: all cost, no win
+        return probes, extra / (300 * model.step_time(16))
+
+    assert run(share=False) == (0, 0.0)
+    probes, overhead = run(share=True)   # 4 passes of all 16, one every ~68 steps
+    assert probes >= 32 and 0.5 * EXPLORATION < overhead <= 1.1 * EXPLORATION
 
 
 def finished_requests(controller: SpecController, rates, judged: int = 40, seed: int = 0) -> None:

@@ -422,6 +422,7 @@ class SpecController:
                 rates = {m: self.acceptance(rid, m) for m in usable}
                 method = max(usable, key=rates.get)
                 order.append((rid, lag, method, rates[method]))
+        verifies, jump = self._pooled_opening(order, prices, verifies, first_rows)
         # Two passes: a request that could not afford to open a pass may join one opened after its
         # turn (by a poorer request's free first look, or one whose catch-up is cheaper).
         for _ in range(2):
@@ -447,8 +448,31 @@ class SpecController:
         # probing into drafting at acceptance where drafting loses (alpha 0.3, batch 4: 64% of rows
         # probed, 0.91x plain).
         for rid, price in paid.items():
-            self.states[rid].probe = (sum(paid.values()) / len(paid) if self.share_probes else price, prices.plain_token)
-        return plans, seconds
+            share = (sum(paid.values()) + jump) / len(paid) if self.share_probes else price
+            self.states[rid].probe = (share, prices.plain_token)
+        return plans, seconds + (jump if paid else 0.0)
+
+    def _pooled_opening(self, order: list[tuple[str, dict[str, int], str, float]], prices: "ProbePrices",
+                        verifies: bool, first_rows: Counter) -> tuple[bool, float]:
+        """Whether the idle requests open a probe pass together: those that could each afford to
+        join one, when their credit in all covers the verification shape as well as their rows.
+        Returns (whether the pass verifies, the shape's seconds they share). One request's credit
+        is capped at a few of its own plain tokens, and at 16 requests the shape alone cost seven
+        of them (53 ms on a 115 ms step): once a batch stopped drafting on a low streak (estimates
+        0.80-0.86 at alpha 0.9) no request could ever open a probe, and the batch decoded plainly
+        until it finished (0.87 of the best static gamma)."""
+        if verifies or not self.share_probes:
+            return verifies, 0.0
+        rows, joiners, credit, net = Counter(first_rows), 0, 0.0, 0.0
+        for rid, lag, method, rate in order:
+            price = self._probe_price(method, lag, prices, True, rows[method])
+            state = self.states[rid]
+            if state.credit >= price - rate * prices.plain_token:
+                joiners, credit, net = joiners + 1, credit + state.credit, net + price - rate * prices.plain_token
+                rows[method] += self._is_model(method)
+        if joiners >= 2 and credit >= net + prices.shape_jump:
+            return True, prices.shape_jump
+        return False, 0.0
 
     def _cheap_look(self, method: str, lag: dict[str, int], price: float, prices: "ProbePrices", batch: int) -> bool:
         """Whether a first look costing `price` is free: at most FIRST_LOOK_STEPS plain steps in all,
