@@ -465,10 +465,10 @@ class SpecController:
             return verifies, 0.0
         rows, joiners, credit, net = Counter(first_rows), 0, 0.0, 0.0
         for rid, lag, method, rate in order:
-            price = self._probe_price(method, lag, prices, True, rows[method])
+            cost = self._probe_price(method, lag, prices, True, rows[method]) - rate * prices.plain_token
             state = self.states[rid]
-            if state.credit >= price - rate * prices.plain_token:
-                joiners, credit, net = joiners + 1, credit + state.credit, net + price - rate * prices.plain_token
+            if state.credit >= cost:   # it could join a pass someone opened
+                joiners, credit, net = joiners + 1, credit + state.credit, net + cost
                 rows[method] += self._is_model(method)
         if joiners >= 2 and credit >= net + prices.shape_jump:
             return True, prices.shape_jump
