@@ -8,6 +8,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.decode_grid import work_clock
 from engine.kv_cache import BlockPool
 from engine.outputs import RequestOutput, RequestTiming, SpecTotals, StepStats
 from engine.request import Request, RequestStatus
@@ -131,12 +132,13 @@ class Engine:
 
     def _forward(self, batch: SchedulerOutput) -> tuple[Proposal, VerifyResult, float, float]:
         """The step's tensor work (proposer and target pass): no request's state changes in it, so
-        a failed pass can be rerun. Returns the proposal, the verification and their times."""
-        t0 = time.perf_counter()
+        a failed pass can be rerun. Returns the proposal, the verification and their times (by the
+        work clock: without the one-off capture of a CUDA graph)."""
+        t0 = work_clock()
         proposal = self.proposer.propose(batch.scheduled)
-        t1 = time.perf_counter()
+        t1 = work_clock()
         result = verify(self.target, batch.scheduled, proposal)
-        return proposal, result, t1 - t0, time.perf_counter() - t1
+        return proposal, result, t1 - t0, work_clock() - t1
 
     def _finish(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, draft_time: float,
                 verify_time: float) -> list[RequestOutput]:

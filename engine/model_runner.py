@@ -82,19 +82,23 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_caches, **extra)
         if self.features is not None:
             self.features.index_copy_(0, meta.slot_mapping, self.model.features(hidden))
-        ends = np.cumsum(query_lens)
+        return self._logits(items, hidden, return_hidden)
+
+    def _grid_forward(self, items: list[ForwardItem], return_hidden: bool):
+        hidden, slots = self.decode_grid.run(items)   # every fed token's row
+        if self.features is not None:
+            self.features.index_copy_(0, slots, self.decode_grid.last_features)
+        return self._logits(items, hidden, return_hidden)
+
+    def _logits(self, items: list[ForwardItem], hidden: torch.Tensor, return_hidden: bool):
+        """Logits (and hidden states) of the rows that want them: each item's last num_logits of
+        its fed tokens, whose final hidden states are `hidden`, in item order."""
+        ends = np.cumsum([len(item.token_ids) for item in items])
         rows = np.concatenate([np.arange(end - item.num_logits, end) for item, end in zip(items, ends)])
         if len(rows) < hidden.shape[0]:
             hidden = hidden[torch.from_numpy(rows).to(self.device)]
         logits = self.model.compute_logits(hidden) if len(rows) else \
             hidden.new_zeros(0, self.model.vocab_size, dtype=torch.float32)
-        return (logits, hidden) if return_hidden else logits
-
-    def _grid_forward(self, items: list[ForwardItem], return_hidden: bool):
-        hidden, slots = self.decode_grid.run(items)   # every fed token's row: all of them want logits
-        if self.features is not None:
-            self.features.index_copy_(0, slots, self.decode_grid.last_features)
-        logits = self.model.compute_logits(hidden)
         return (logits, hidden) if return_hidden else logits
 
     def read_features(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:

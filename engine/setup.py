@@ -193,7 +193,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                              spec.suffix_min_score, spec.suffix_spec_factor)
     grids = {target: spec.gamma + 1}
     if "draft" in proposers:
-        grids[proposers["draft"].runner] = 1   # its drafting passes; catch-ups feed several tokens for one logit
+        grids[proposers["draft"].runner] = spec.gamma + 1   # drafting passes, and catch-ups (after a step
+                                                            # that accepted every draft: two tokens)
     _decode_grids(config, device, grids, blocks_per_seq)
     router = Router(proposers, hf_config.vocab_size)
     controller = SpecController(list(proposers), spec.gamma, costs, spec.adaptive, spec.draft_p_min)

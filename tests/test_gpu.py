@@ -78,7 +78,7 @@ def test_sliding_window_on_cuda_matches_cpu(tmp_path):
 def test_cuda_graphs_decode_like_cpu(tmp_path):
     """Decode and verification passes replayed as CUDA graphs (fp32: the torch attention path inside
     the graphs) give the CPU's greedy output, with a draft model and n-gram routed per request."""
-    from engine import LLM, SamplingParams
+    from engine import LLM, SamplingParams, decode_grid
 
     path = make_tiny_checkpoint(tmp_path / "tiny", arch="llama", seed=0)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -89,6 +89,7 @@ def test_cuda_graphs_decode_like_cpu(tmp_path):
     gpu = llm.generate(prompts, params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
     assert llm.engine.target.decode_grid.graphs   # something was captured and replayed
+    assert decode_grid._capture_seconds > 0   # and its recording kept off the cost model's clock
     assert llm.engine.proposer.proposers["draft"].runner.decode_grid.capture
 
 

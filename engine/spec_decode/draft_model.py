@@ -11,10 +11,10 @@ probabilities of its own tokens falls below the plan's p_min (the confidence sto
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
+from engine.decode_grid import work_clock
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample, warp_probs
@@ -65,7 +65,7 @@ class DraftModelProposer:
         requests = [item.request for item in items]
         params = [self._draft_params(r.params) for r in requests]
         rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
-        started = time.perf_counter()
+        started = work_clock()
         logits = self._fit_vocab(self._catch_up(items))
         # q matters only to rows verified by rejection sampling: greedy and seeded (coupled) rows
         # accept by the target's own choice. Without such rows, no [batch x k x vocab] buffer.
@@ -86,7 +86,7 @@ class DraftModelProposer:
             active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min]
             if not active:
                 break
-            rows, catch_up, started = len(active), 0, time.perf_counter()
+            rows, catch_up, started = len(active), 0, work_clock()
             logits = self._fit_vocab(self._feed_drafts([items[a] for a in active], [drafts[a] for a in active]))
         return Proposal(drafts, draft_probs)
 
@@ -109,7 +109,7 @@ class DraftModelProposer:
 
     def _observe(self, rows: int, started: float, catch_up: int) -> None:
         if self.on_forward is not None:   # the .tolist() calls above waited for the device
-            self.on_forward(rows, time.perf_counter() - started, catch_up)
+            self.on_forward(rows, work_clock() - started, catch_up)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, draft_vocab] -> [n, target_vocab]: embedding tables padded to different sizes
