@@ -225,7 +225,8 @@ def is_adaptive(llm: LLM) -> bool:
 class ChoiceLog:
     """What an adaptive engine chose over a cell's timed runs: how many decode rows drafted and how
     deep, and its predicted step time against the measured one for drafting steps (the cost
-    model's error is what turns drafting down)."""
+    model's error is what turns drafting down). Measured as the engine times its passes (the
+    work clock: without graph captures), as the prediction is of the passes alone."""
 
     def __init__(self, engine):
         self.engine, self.step = engine, engine.step
@@ -234,9 +235,7 @@ class ChoiceLog:
         engine.step = self._step
 
     def _step(self):
-        start = time.perf_counter()
         out = self.step()
-        seconds = time.perf_counter() - start
         stats = self.engine.last_stats
         if stats and stats.chosen_k:
             ks = stats.chosen_k
@@ -246,7 +245,7 @@ class ChoiceLog:
             if stats.predicted_time_s and any(ks):
                 self.steps += 1
                 self.predicted += stats.predicted_time_s
-                self.measured += seconds
+                self.measured += stats.draft_time_s + stats.verify_time_s
         return out
 
     def close(self) -> str:

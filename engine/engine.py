@@ -120,6 +120,7 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = work_clock()
         batch = self.scheduler.schedule(self._plan())
         if not batch.scheduled:
             return []
@@ -128,7 +129,10 @@ class Engine:
         except Exception as exc:  # one bad request must not fail the batch, nor take the server down
             return self._isolate(batch, exc)
         self.num_failed_steps = 0
-        return self._finish(batch, *passed)
+        outputs = self._finish(batch, *passed)
+        if self.last_stats.pure_decode:   # the step's host work around its passes, for the plan's rates
+            self.costs.observe_overhead(work_clock() - started - passed[2] - passed[3])
+        return outputs
 
     def _forward(self, batch: SchedulerOutput) -> tuple[Proposal, VerifyResult, float, float]:
         """The step's tensor work (proposer and target pass): no request's state changes in it, so

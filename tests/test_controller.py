@@ -8,7 +8,7 @@ import random
 import pytest
 from helpers import run_requests
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from engine.spec_decode.controller import EXPLORATION, RequestSpecState, SpecController
 from engine.spec_decode.estimates import GLOBAL_DECAY, DecayedCounts
 from engine.step_timer import StepCostModel
@@ -329,6 +329,24 @@ def test_per_request_control(pair):
         SamplingParams(speculative_method="medusa")
     with pytest.raises(ValueError, match="speculative.num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=True)
+
+
+def test_host_work_per_step_counts_for_drafting(pair):
+    """A step's host work around its passes (~0.4 ms beside a 2 ms pass replayed as a CUDA graph) is
+    paid once however many tokens the step yields: the more of it, the more drafting pays. The
+    engine measures it on every decode step."""
+    def planned(alpha: float, forward: float, overhead: float) -> tuple[str, int]:
+        model = costs(0.0005, draft_forward=forward)
+        model.step_overhead = overhead
+        return plan_k(with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": alpha}), 1)[0]
+
+    assert planned(0.5, 0.012, 0.0) == ("none", 0) and planned(0.5, 0.012, 0.015) == ("draft", 1)
+    assert [planned(0.7, 0.004, s)[1] for s in (0.0, 0.015, 0.030)] == [3, 4, 5]
+    target, draft = pair
+    llm = LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
+              speculative={"method": "draft", "model": draft, "num_speculative_tokens": 4})
+    llm.generate([[1, 2, 3, 4]], GREEDY)
+    assert 0.0 < llm.engine.costs.step_overhead < 0.1
 
 
 def test_a_costly_verification_shape_keeps_plain_decoding():

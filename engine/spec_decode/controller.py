@@ -276,7 +276,11 @@ class SpecController:
         bias = self.costs.drafting_bias   # what drafting steps measured over their prediction
         drafting_time = bias * self.costs.verify_time(base_tokens, base_tokens, len(candidates))
         per_token = bias * self.costs.per_token(base_tokens, len(candidates))
-        start_time = max(drafting_time - prompt_share, 1e-9)
+        # Every step also costs the engine's host work around its passes (scheduling, bookkeeping:
+        # StepCostModel.step_overhead), paid once however many tokens the step yields. It is in
+        # every rate below, not in the predicted pass times the engine checks against its timings.
+        overhead = self.costs.step_overhead
+        start_time = max(drafting_time - prompt_share, 1e-9) + overhead
         methods = {rid: self._choose_method(rid, caps, lag, len(candidates), start_time, per_token)
                    for rid, caps, lag in candidates}
         model_rows = Counter(m for m in methods.values() if m is not None and self._is_model(m))
@@ -302,12 +306,14 @@ class SpecController:
                 gain, seconds = tokens.pop()
                 expected, time = expected - gain, time - seconds
         lags = {rid: lag for rid, _, lag in candidates}
-        expected, time = self._trim_deep_positions(taken, expected, base_tokens, methods, lags, prompt_share)
+        expected, time = self._trim_deep_positions(taken, expected, base_tokens, methods, lags,
+                                                   prompt_share - overhead)
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
         bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
-        time = time if ks else decode_time
-        if ks and expected / time < (1.0 + self.hurdle) * len(candidates) / decode_time:   # plain is (about) as good
-            ks, time = {}, decode_time
+        plain_rate = len(candidates) / (decode_time + overhead)
+        if ks and expected / time < (1.0 + self.hurdle) * plain_rate:   # plain is (about) as good
+            ks = {}
+        time = time - overhead if ks else decode_time
         self.last_depth = max(ks.values(), default=0)
         time += prompt_share
         prices = ProbePrices(decode_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
@@ -320,16 +326,16 @@ class SpecController:
         return {**plans, **probes}
 
     def _trim_deep_positions(self, taken: dict[str, list[tuple[float, float]]], expected: float,
-                             base_tokens: int, methods: dict, lags: dict, prompt_share: float = 0.0
+                             base_tokens: int, methods: dict, lags: dict, offset: float = 0.0
                              ) -> tuple[float, float]:
         """The greedy prices a model draft token at its share of a forward over every drafting
         request, but the draft runs one sequential forward per position: the deepest positions,
         reached by a few requests with the highest estimates, cost a whole forward each. Drop the
         deepest position while the exact step time says goodput rises without it. Returns the
-        kept plan's expected tokens and predicted step time less prompt_share, the prompt tokens'
-        share of the pass (0.0 when nothing was taken)."""
+        kept plan's expected tokens and predicted step time less offset (the prompt tokens' share of
+        the pass, less the step's host overhead; 0.0 when nothing was taken)."""
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
-        time = max(self.predicted_time(base_tokens, ks, methods, lags) - prompt_share, 1e-9) if ks else 0.0
+        time = max(self.predicted_time(base_tokens, ks, methods, lags) - offset, 1e-9) if ks else 0.0
         while ks:
             depth = max(ks.values())
             deepest = [rid for rid, k in ks.items() if k == depth and k > 1]
@@ -337,7 +343,7 @@ class SpecController:
                 break
             lost = sum(taken[rid][-1][0] for rid in deepest)
             trimmed = {rid: k - 1 if rid in deepest else k for rid, k in ks.items()}
-            trimmed_time = max(self.predicted_time(base_tokens, trimmed, methods, lags) - prompt_share, 1e-9)
+            trimmed_time = max(self.predicted_time(base_tokens, trimmed, methods, lags) - offset, 1e-9)
             if (expected - lost) / trimmed_time <= expected / time:
                 break
             for rid in deepest:
