@@ -265,6 +265,8 @@ class Engine:
         planned = self.controller.adaptive and self.controller.last_depth > 0
         if num_drafts and predicted and planned and pure_decode:
             self.costs.observe_drafting_step(predicted, step_time, self.controller.last_depth)
+        elif pure_decode and self.controller.adaptive and not planned:
+            self.costs.observe_idle_step()
         if self.cadence is not None and self._plan_host_time is not None:
             self._judge_plan(accepted, num_drafts, pure_decode, step_time)
 

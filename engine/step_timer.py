@@ -12,6 +12,8 @@ import math
 from collections import Counter
 
 DEPTH_EVIDENCE = 5   # drafting steps of one depth before that depth's own scale is used
+STALE_STEPS = 8      # decode steps without a drafting step after which the drafting scales count as stale,
+BIAS_RELAX = 0.03    # ... and move this share (in log space) back towards 1.0 per further such step
 PACE_SMOOTHING = 0.1   # per plain decode pass: the machine's pace follows a change within ~10 steps
 
 
@@ -134,6 +136,7 @@ class StepCostModel:
         self.drafting_bias = 1.0   # measured / predicted time of drafting steps (see observe_drafting_step)
         self.depth_bias: dict[int, float] = {}   # the same, per depth (the step's longest draft)
         self.depth_steps: Counter = Counter()    # drafting steps seen at each depth
+        self.idle_steps = 0   # decode steps since the last drafting step
         self.pace = 1.0   # the machine's speed now against start-up (see the class doc)
         self.step_overhead = 0.0   # seconds of host work a decode step spends around its passes
         self.reference: dict[int, float] = {}   # batch bucket -> plain decode pass timed at start-up
@@ -192,11 +195,28 @@ class StepCostModel:
         1.5): one per depth once that depth has DEPTH_EVIDENCE steps, before that the overall one."""
         if predicted <= 0 or measured <= 0:
             return
+        self.idle_steps = 0
         ratio = min(max(measured * self.bias(depth) / predicted, 0.5), 2.0)   # against the unscaled parts
         self.drafting_bias = self._toward(self.drafting_bias, ratio)
         if depth:
             self.depth_bias[depth] = self._toward(self.depth_bias.get(depth, self.drafting_bias), ratio)
             self.depth_steps[depth] += 1
+
+    def observe_idle_step(self) -> None:
+        """A decode step that drafted nothing (by plan). The drafting scales are learned only from
+        drafting steps, so once an engine stops drafting they hold whatever its last ones measured,
+        and those can be unlike the steady state (a wave's last steps, a few requests each
+        catching up): at 16 streams, alpha 0.9, a scale of 1.105 learned so made every plan lose
+        to plain decoding by the model (1.0: 6 drafts each, predicted 1.14x; static gamma 2
+        measured 1.20x), and the engine decoded 60 steps plainly, the scale never corrected. So a
+        scale without fresh evidence relaxes towards 1.0 (half-way in ~23 steps), and the plan
+        gets to draft again and measure it."""
+        self.idle_steps += 1
+        if self.idle_steps <= STALE_STEPS:
+            return
+        keep = 1.0 - BIAS_RELAX
+        self.drafting_bias **= keep
+        self.depth_bias = {depth: bias ** keep for depth, bias in self.depth_bias.items()}
 
     def _toward(self, bias: float, ratio: float) -> float:
         return min(max(bias * (ratio / bias) ** (self.smoothing / 2), 0.8), 1.5)

@@ -11,7 +11,7 @@ from helpers import run_requests
 from engine import LLM, SamplingParams
 from engine.spec_decode.controller import EXPLORATION, RequestSpecState, SpecController
 from engine.spec_decode.estimates import GLOBAL_DECAY, DecayedCounts
-from engine.step_timer import StepCostModel
+from engine.step_timer import STALE_STEPS, StepCostModel
 
 MAX_K = 8
 
@@ -349,6 +349,26 @@ def test_host_work_per_step_counts_for_drafting(pair):
     assert 0.0 < llm.engine.costs.step_overhead < 0.1
 
 
+def test_stale_drafting_scales_relax_towards_one():
+    """Drafting steps that ran over their prediction scale every later plan up, and they are
+    learned only from drafting steps: a scale that stopped drafting holds. After STALE_STEPS decode
+    steps without drafting it relaxes towards 1.0, the plan drafts again and so measures it anew."""
+    model = costs(0.0005, draft_forward=0.008)
+    model.calibrate_plain(1, 0.030)
+    model.drafting_bias, model.depth_bias = 1.3, {1: 1.3}
+    controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.6})
+    assert plan_k(controller, 1) == [("none", 0)]
+    for _ in range(STALE_STEPS):
+        model.observe_idle_step()
+    assert model.drafting_bias == 1.3
+    for _ in range(23):
+        model.observe_idle_step()
+    assert 1.13 < model.drafting_bias < 1.15 and 1.13 < model.depth_bias[1] < 1.15   # half-way, in log space
+    assert plan_k(controller, 1) == [("draft", 1)]
+    model.observe_drafting_step(0.040, 0.052, 1)   # drafting again: learning, and fresh for STALE_STEPS more
+    assert model.idle_steps == 0 and model.drafting_bias > 1.14
+
+
 def test_a_costly_verification_shape_keeps_plain_decoding():
     """Verifying even one draft takes a slower kernel than a plain pass of as many tokens: drafting
     must clear that jump, so moderate acceptance stays plain and high acceptance still drafts."""
@@ -666,7 +686,7 @@ def test_probe_only_steps_do_not_scale_drafting_steps():
     from types import SimpleNamespace
 
     from engine.engine import Engine
-    from engine.step_timer import StepCostModel
+    from engine.step_timer import STALE_STEPS, StepCostModel
     costs = StepCostModel()
     item = SimpleNamespace(is_decode=True, num_new_tokens=1, request=SimpleNamespace(request_id="r"), method="ngram")
     controller = SimpleNamespace(adaptive=True, last_predicted_time=0.05, last_depth=0, observe=lambda *a: None)
