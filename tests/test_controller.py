@@ -9,6 +9,7 @@ import pytest
 from helpers import run_requests
 
 from engine import LLM, SamplingParams
+from engine.spec_decode import controller as controller_module
 from engine.spec_decode.controller import EXPLORATION, RequestSpecState, SpecController
 from engine.spec_decode.estimates import GLOBAL_DECAY, DecayedCounts
 from engine.step_timer import STALE_STEPS, StepCostModel
@@ -400,6 +401,26 @@ def test_catch_up_is_priced_once_per_request():
     # a catch-up that costs more than all the drafts could win keeps plain decoding
     model.catch_up_price["draft"] = 0.05
     assert controller.plan([("r", {"draft": MAX_K}, {"draft": 100})])["r"].k <= 1
+
+
+def test_a_catch_up_is_spread_over_the_drafting_steps_it_enables(monkeypatch):
+    """A draft model's catch-up after idle steps is paid once, and the drafting steps after it need
+    none: the plan's rates charge the step that pays it a share (CATCH_UP_STEPS), while its predicted
+    time, which the engine checks against the measured step, holds all of it."""
+    def plan(steps: float, lag: int):
+        monkeypatch.setattr(controller_module, "CATCH_UP_STEPS", steps)
+        model = costs(0.0003)
+        model.calibrate_plain(1, 0.030)
+        model.catch_up_price["draft"] = 0.0001   # 40 ms for 400 tokens, more than a plain step
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.7})
+        controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])   # no longer new: no first probe
+        return controller.plan([("r", {"draft": MAX_K}, {"draft": lag})])["r"].k, controller
+
+    assert plan(1.0, 400)[0] == 0                 # charged whole, it outweighs what the drafts win
+    k, controller = plan(4.0, 400)
+    assert k >= plan(4.0, 0)[0] >= 3
+    caught_up = controller.predicted_time(1, {"r": k}, {"r": "draft"}, {"r": {"draft": 0}})
+    assert controller.last_predicted_time == pytest.approx(caught_up + 0.040)
 
 
 def test_prompt_tokens_in_the_pass_do_not_lower_the_bar_for_drafts():

@@ -13,7 +13,8 @@ The goal is the batch's goodput, expected output tokens per second of the step:
 - Step time is StepCostModel.step_time: the target pass as a function of its tokens, plus every
   draft-model forward as a function of its rows, plus the tokens the draft has not seen yet, which
   its first forward catches up on, scaled by what whole drafting steps measured against their
-  prediction (the parts miss some of a step's work). The engine measures all of it online.
+  prediction (the parts miss some of a step's work). The engine measures all of it online. A
+  catch-up serves the drafting steps after it too, so the plan's rates charge a step a share.
 - The plan starts from plain decoding (k = 0 everywhere) and adds, one at a time, the draft token
   with the most expected tokens per added second, while that raises the step's tokens per second
   (a request's first tokens are ranked together when its catch-up makes one alone not worth it).
@@ -75,6 +76,8 @@ MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is ca
 FIRST_LOOK_STEPS = 2.0    # a first look is free while its probe costs at most this many plain steps of the batch,
 FIRST_LOOK_TOKENS = 2.0   # and its draft catch-up at most this many of the request's own plain tokens
 MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position (priced per forward)
+CATCH_UP_STEPS = 4.0      # a draft model's catch-up is paid once and serves the drafting steps after it:
+                          # the plan's rates spread it over this many
 HURDLE = 0.05             # a plan must promise this much more goodput than plain decoding: the cost model
                           # errs by about as much, and plain decoding is the safe side of a close call
 
@@ -306,14 +309,15 @@ class SpecController:
                 gain, seconds = tokens.pop()
                 expected, time = expected - gain, time - seconds
         lags = {rid: lag for rid, _, lag in candidates}
+        spread = self._spread_catch_up(taken, methods, lags)
         expected, time = self._trim_deep_positions(taken, expected, base_tokens, methods, lags,
-                                                   prompt_share - overhead)
+                                                   prompt_share - overhead + spread)
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
         bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
         plain_rate = len(candidates) / (decode_time + overhead)
         if ks and expected / time < (1.0 + self.hurdle) * plain_rate:   # plain is (about) as good
             ks = {}
-        time = time - overhead if ks else decode_time
+        time = time - overhead + spread if ks else decode_time
         self.last_depth = max(ks.values(), default=0)
         time += prompt_share
         prices = ProbePrices(decode_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
@@ -324,6 +328,16 @@ class SpecController:
                                           len(candidates))
         self.last_predicted_time = time + probe_time
         return {**plans, **probes}
+
+    def _spread_catch_up(self, taken: dict, methods: dict, lags: dict) -> float:
+        """Seconds of the drafting requests' catch-ups that their later drafting steps bear (all but
+        1 / CATCH_UP_STEPS of each), left out of this step's rates. Charged whole to the step that
+        pays it, a catch-up grew with every idle step (a token per request: 1.6 ms a step at 16
+        requests), and a wave idle for 10-30 steps at alpha 0.87-0.89 planned no drafts where the
+        same curves planned 5-6 each at a lag of one (a simulation with a logged run's curves)."""
+        seconds = sum(self.costs.catch_up(lags[rid].get(methods[rid], 0), methods[rid])
+                      for rid in taken if self._is_model(methods[rid]))
+        return self.costs.drafting_bias * seconds * (1.0 - 1.0 / CATCH_UP_STEPS)
 
     def _trim_deep_positions(self, taken: dict[str, list[tuple[float, float]]], expected: float,
                              base_tokens: int, methods: dict, lags: dict, offset: float = 0.0
@@ -371,12 +385,12 @@ class SpecController:
     def _prices(self, method: str, lag: dict[str, int], model_rows: int, per_token: float) -> tuple[float, float]:
         """(seconds of each draft token, extra seconds of the first) for a request drafting with
         method: a target row, plus for a model proposer its share of forwards over model_rows
-        requests, and its catch-up on the first."""
+        requests, and on the first this step's share of its catch-up (see _spread_catch_up)."""
         if not self._is_model(method):
             return per_token, 0.0
         rows, bias = max(1, model_rows), self.costs.drafting_bias
         return (per_token + bias * self.costs.draft_forward(rows, method) / rows,
-                bias * self.costs.catch_up(lag.get(method, 0), method))
+                bias * self.costs.catch_up(lag.get(method, 0), method) / CATCH_UP_STEPS)
 
     def predicted_time(self, base_tokens: int, ks: dict[str, int], methods: dict[str, str | None],
                        lags: dict[str, dict[str, int]]) -> float:
