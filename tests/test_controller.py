@@ -393,6 +393,10 @@ def test_catch_up_is_priced_once_per_request():
     model = costs(0.0003)
     model.observe_draft(1, 0.004 + 64 * 0.0001, catch_up=64)   # 0.1 ms per caught-up token
     assert model.catch_up(100) == pytest.approx(0.01, rel=0.05)
+    price = model.catch_up_price["draft"]
+    model.observe_draft(1, 0.127, catch_up=32)   # a stalled forward: 4 ms a token
+    assert price < model.catch_up_price["draft"] <= 1.1 * price   # a tenth at most
+    model.catch_up_price["draft"] = price
     controller = with_history(SpecController(["draft"], MAX_K, model), {"draft": 0.9})
     controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])   # no longer new: no first probe
     lagging = controller.plan([("r", {"draft": MAX_K}, {"draft": 100})])["r"]
