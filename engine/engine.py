@@ -129,9 +129,10 @@ class Engine:
         except Exception as exc:  # one bad request must not fail the batch, nor take the server down
             return self._isolate(batch, exc)
         self.num_failed_steps = 0
-        outputs = self._finish(batch, *passed)
+        proposal, result, draft_time, verify_time = passed
+        outputs = self._finish(batch, proposal, result, draft_time, verify_time)
         if self.last_stats.pure_decode:   # the step's host work around its passes, for the plan's rates
-            self.costs.observe_overhead(work_clock() - started - passed[2] - passed[3])
+            self.costs.observe_overhead(work_clock() - started - draft_time - verify_time)
         return outputs
 
     def _forward(self, batch: SchedulerOutput) -> tuple[Proposal, VerifyResult, float, float]:

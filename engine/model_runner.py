@@ -92,12 +92,14 @@ class ModelRunner:
 
     def _logits(self, items: list[ForwardItem], hidden: torch.Tensor, return_hidden: bool):
         """Logits (and hidden states) of the rows that want them: each item's last num_logits of
-        its fed tokens, whose final hidden states are `hidden`, in item order."""
-        ends = np.cumsum([len(item.token_ids) for item in items])
-        rows = np.concatenate([np.arange(end - item.num_logits, end) for item, end in zip(items, ends)])
-        if len(rows) < hidden.shape[0]:
+        its fed tokens, whose final hidden states are `hidden`, in item order. (Decode and
+        verification rows all want theirs: no index built on that hot path.)"""
+        wanted = sum(item.num_logits for item in items)
+        if wanted < hidden.shape[0]:
+            ends = np.cumsum([len(item.token_ids) for item in items])
+            rows = np.concatenate([np.arange(end - item.num_logits, end) for item, end in zip(items, ends)])
             hidden = hidden[torch.from_numpy(rows).to(self.device)]
-        logits = self.model.compute_logits(hidden) if len(rows) else \
+        logits = self.model.compute_logits(hidden) if wanted else \
             hidden.new_zeros(0, self.model.vocab_size, dtype=torch.float32)
         return (logits, hidden) if return_hidden else logits
 

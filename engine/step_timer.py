@@ -40,6 +40,12 @@ class PlainStepTimer:
         return self.seconds[min(above)] if above else self.seconds[max(self.seconds)] * b / max(self.seconds)
 
 
+def _toward_capped(old: float, reading: float, smoothing: float) -> float:
+    """A moving average's step towards one timing, the timing capped at 1.5x the average: a stall
+    moves it by at most smoothing / 2 of itself, and never sets it."""
+    return old + smoothing * (min(reading, 1.5 * old) - old)
+
+
 class CostCurve:
     """Seconds of one forward pass as a function of the rows (tokens) it processes: moving averages
     per power-of-two bucket of rows, each at the average rows it was measured at (a bucket filled by
@@ -65,8 +71,7 @@ class CostCurve:
         if old is None:
             self.calibrate(rows, min(seconds, self(rows)) if self.seconds else seconds)
             return
-        seconds = min(seconds, 1.5 * old)
-        self.seconds[b] = old + self.smoothing * (seconds - old)
+        self.seconds[b] = _toward_capped(old, seconds, self.smoothing)
         self.rows[b] += self.smoothing * (rows - self.rows[b])
 
     def calibrate(self, rows: int, seconds: float) -> None:
@@ -181,9 +186,7 @@ class StepCostModel:
         if not curve.ready:
             return   # nothing yet to tell the rows' share from the catch-up's
         price, old = max(0.0, seconds - curve(rows)) / catch_up, self.catch_up_price.get(method)
-        if old:   # as a curve's bucket: one stall must not set the price (see CostCurve.observe)
-            price = old + self.smoothing * (min(price, 1.5 * old) - old)
-        self.catch_up_price[method] = price
+        self.catch_up_price[method] = _toward_capped(old, price, self.smoothing) if old else price
 
     def observe_overhead(self, seconds: float) -> None:
         """The host work of one decode step besides its passes (planning, scheduling, bookkeeping):
