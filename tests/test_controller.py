@@ -171,7 +171,7 @@ def test_a_batch_that_stopped_drafting_pools_its_credit_to_probe():
         controller.share_probes = share
         with_history(controller, {"draft": 0.8})
         for rid in rids:   # each has drafted: no first look left, an estimate of its own
-            controller.states[rid] = RequestSpecState(look_due=False)
+            controller.states[rid] = RequestSpecState(look_due=False, drafted=True)
             for accepted in (3, 8, 0, 5, 2):
                 controller.observe(rid, "draft", MAX_K, accepted)
         probes, extra = 0, 0.0
@@ -213,6 +213,23 @@ def test_the_prior_weighs_as_much_as_requests_are_alike():
     assert unlike.prior_weight("draft") <= 2.0
     unlike.pool_evidence = False
     assert alike.prior_weight("draft") > PRIOR_WEIGHT and unlike.prior_weight("draft") == PRIOR_WEIGHT
+
+
+def test_live_requests_count_towards_the_prior_strength():
+    """A young engine: four requests finished, four live ones judged 30 tokens each. When all accept
+    at 0.7, the live ones' totals make the pooled rate worth many pseudo-tokens already; when they
+    accept at 0.1 and 0.9, worth few."""
+    from engine.spec_decode.estimates import PRIOR_WEIGHT
+    for rates, strong in (([0.7] * 4, True), ([0.1, 0.9] * 2, False)):
+        controller = SpecController(["draft"], MAX_K, costs(0.0005))
+        finished_requests(controller, rates, judged=30)
+        assert controller.prior_weight("draft") == PRIOR_WEIGHT   # too few finished to tell
+        rng = random.Random(1)
+        for i, rate in enumerate(rates):
+            for _ in range(30):
+                controller.observe(f"live{i}", "draft", 1, int(rng.random() < rate))
+        weight = controller.prior_weight("draft")
+        assert weight > 3 * PRIOR_WEIGHT if strong else weight < PRIOR_WEIGHT, (rates, weight)
 
 
 def test_an_unlucky_start_keeps_drafting_when_requests_are_alike():
@@ -453,21 +470,45 @@ def test_prompt_tokens_in_the_pass_do_not_lower_the_bar_for_drafts():
 
 def test_failed_probes_cost_at_most_the_exploration_budget():
     """Acceptance 0: every probe fails. Over 400 steps the probes' extra time stays within
-    EXPLORATION of the plain decoding time (plus the first probe and the saved-up credit).
+    EXPLORATION of the plain decoding time for a request the plan drafted for before (plus the first
+    probe and the saved-up credit), and within a quarter of that for one it never drafted for.
     (Exploration draws off: this bounds the probes alone.)"""
-    from engine.spec_decode.controller import EXPLORATION, MAX_CREDIT_STEPS
+    from engine.spec_decode.controller import EXPLORATION, MAX_CREDIT_STEPS, UNDRAFTED_EXPLORATION
     model = costs(0.0003)
-    controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
-    probes = 0
-    for _ in range(400):
-        plan = controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"]
-        assert plan.k == 0 or plan.probe
-        if plan.probe:
-            probes += 1
-            controller.observe("r", "draft", 1, 0)
     plain = model.step_time(1)
     extra = model.verify_time(2) - model.verify_time(1) + model.draft_forward(1)
-    assert 2 <= probes and probes * extra <= EXPLORATION * 400 * plain + extra + MAX_CREDIT_STEPS * plain
+    probes = {}
+    for drafted, share in ((True, EXPLORATION), (False, EXPLORATION * UNDRAFTED_EXPLORATION)):
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
+        controller.states["r"] = RequestSpecState(drafted=drafted)
+        probes[drafted] = 0
+        for _ in range(400):
+            plan = controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"]
+            assert plan.k == 0 or plan.probe
+            if plan.probe:
+                probes[drafted] += 1
+                controller.observe("r", "draft", 1, 0)
+        assert 2 <= probes[drafted] and probes[drafted] * extra <= share * 400 * plain + extra + MAX_CREDIT_STEPS * plain
+    assert probes[True] >= 2 * probes[False], probes
+
+
+def test_exploration_slows_only_where_evidence_rules_acceptance_out():
+    """A new request whose free first look failed, where a draft token pays at acceptance ~0.33 and
+    drafting does not pay at the requests' 0.3: one failed draft leaves paying acceptance possible,
+    and it saves up credit for probes at the full rate; where requests accept at 0, its evidence
+    rules that out, and it saves at a quarter of the rate."""
+    from engine.spec_decode.controller import UNDRAFTED_EXPLORATION
+    model = costs(0.006)
+    credit = {}
+    for alpha in (0.3, 0.0):
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": alpha})
+        assert controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"].probe   # the first look
+        controller.observe("r", "draft", 1, 0)
+        for _ in range(5):
+            assert controller.plan([("r", {"draft": MAX_K}, {"draft": 0})])["r"] == controller_module.NO_PLAN
+        credit[alpha] = controller.states["r"].credit
+    full = 6 * EXPLORATION * model.step_time(1)   # the first look's step and five more
+    assert credit[0.3] == pytest.approx(full) and credit[0.0] == pytest.approx(UNDRAFTED_EXPLORATION * full)
 
 
 def test_a_first_look_is_free_unless_switched_off():

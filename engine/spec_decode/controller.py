@@ -5,11 +5,12 @@ The goal is the batch's goodput, expected output tokens per second of the step:
 - Expected tokens of k drafts from proposer m for request r are 1 + a + a^2 + ... + a^k, where a is
   the request's acceptance rate per judged draft token with m: counts that forget per judged token
   (a step that judged eight drafts does not outweigh eight steps that judged one), shrunk towards
-  the engine-wide rate of m by as many pseudo-tokens as finished requests show requests to be alike
-  (PriorStrength: many when they all accept at one rate, few when they differ). The memory is
-  ~100 tokens long, and a change-point test (a two-sided CUSUM) restarts it from the tokens since a
-  shift, so a shift in the workload shows within a few steps (all in estimates.py). One rate for
-  every position: when acceptance collapses, it collapses at every position at once.
+  the engine-wide rate of m by as many pseudo-tokens as the requests so far (finished and live)
+  show them to be alike (PriorStrength: many when they all accept at one rate, few when they
+  differ). The memory is ~100 tokens long, and a change-point test (a two-sided CUSUM) restarts it
+  from the tokens since a shift, so a shift in the workload shows within a few steps (all in
+  estimates.py). One rate for every position: when acceptance collapses, it collapses at every
+  position at once.
 - Step time is StepCostModel.step_time: the target pass as a function of its tokens, plus every
   draft-model forward as a function of its rows, plus the tokens the draft has not seen yet, which
   its first forward catches up on, scaled by what whole drafting steps measured against their
@@ -30,7 +31,14 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   the request's share of a plain step; a probe is charged its net cost (its extra time, less the
   plain-decoding time of the tokens it won). Failed probes can never cost more than EXPLORATION of
   plain decoding; probes that win pay for themselves, so once acceptance is back they run every
-  step until the plan drafts again. Probes share passes: the first probe of a plain step pays for
+  step until the plan drafts again. A request the plan never drafted for, and whose evidence puts
+  the chance that one draft token pays under RULED_OUT (5%), accrues a quarter of that
+  (UNDRAFTED_EXPLORATION): its probes look for acceptance it never showed, where those of one that
+  drafted and stopped look for acceptance coming back (an agent's prose after a tool call), and
+  those of one with thin evidence for acceptance it may well have (at alpha 0.5, batch 4, half the
+  first looks fail, and a quarter rate never probed again within a 64-token request). At alpha 0,
+  batch 4, the full rate cost ~3% of plain decoding (a free first look and three pooled probes of
+  ~30 ms in 64 steps). Probes share passes: the first probe of a plain step pays for
   the verification shape and a whole draft forward, and requests that probe beside it, or beside
   the plan's drafts, pay only their row and their row's share of the draft forward (at batch 4 a
   lone probe cost ~20 ms on a 70 ms step, and a fourth of the same forward ~1 ms). At most one
@@ -70,7 +78,9 @@ from engine.spec_decode.estimates import (GLOBAL_DECAY, MAX_POSITION_RATE, PRIOR
 from engine.step_timer import StepCostModel
 
 EXPLORE_JUDGED = 16.0     # an idle request explores (optimistic posterior draws) until it judged this many
-EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
+EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost,
+UNDRAFTED_EXPLORATION = 0.25   # ... times this for a request the plan never drafted for and whose evidence
+RULED_OUT = 0.05               # gives paying acceptance less than this chance (SpecController._worth_watching)
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
 MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is capped at this many plain steps
 FIRST_LOOK_STEPS = 2.0    # a first look is free while its probe costs at most this many plain steps of the batch,
@@ -134,6 +144,7 @@ class RequestSpecState:
     look_due: bool = True          # new: one free probe due (SpecController._probes)
     probe: tuple[float, float] | None = None   # the probe in flight: (its extra seconds, seconds per plain token)
     idle: bool = False   # planned no drafts last step (a probe's one token is little evidence)
+    drafted: bool = False   # the plan drafted for it at least once (probes and first looks aside)
     totals: dict[str, list[int]] = field(default_factory=dict)   # method -> [judged, accepted], never forgotten
     ratios: dict[str, CalibrationRatio] = field(default_factory=dict)   # method -> accepted / calibrated expectation
 
@@ -155,6 +166,7 @@ class SpecController:
         self._keys: dict[str, dict[str, list]] = {}   # this plan's evidence keys: request -> method -> per position
         self.prior_strength = {m: PriorStrength() for m in self.methods}
         self.pool_evidence = True   # False: the prior weighs PRIOR_WEIGHT always (the ablation's "fixed prior")
+        self._prior_weights: dict[str, float] = {}   # method -> prior_weight, until the next observation
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
         self.last_depth = 0   # the longest draft of the last plan (what its predicted time was priced at)
@@ -190,7 +202,14 @@ class SpecController:
         return counts, prior, weight
 
     def prior_weight(self, method: str) -> float:
-        return self.prior_strength[method].weight() if self.pool_evidence else PRIOR_WEIGHT
+        """Pseudo-tokens of the engine-wide rate behind a request's estimate (PriorStrength over the
+        finished requests and the live ones); computed once between two observations."""
+        if not self.pool_evidence:
+            return PRIOR_WEIGHT
+        if method not in self._prior_weights:
+            live = (state.totals[method] for state in self.states.values() if method in state.totals)
+            self._prior_weights[method] = self.prior_strength[method].weight(live)
+        return self._prior_weights[method]
 
     def acceptance(self, request_id: str, method: str) -> float:
         counts, prior, weight = self._evidence(request_id, method)
@@ -321,8 +340,8 @@ class SpecController:
         self.last_depth = max(ks.values(), default=0)
         time += prompt_share
         prices = ProbePrices(decode_time / len(candidates), per_token, max(0.0, drafting_time - plain_time))
-        plans = {rid: self._finish(rid, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices)
-                 for rid, _, _ in candidates}
+        plans = {rid: self._finish(rid, caps, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices,
+                                   len(candidates)) for rid, caps, _ in candidates}
         first_rows = Counter(methods[rid] for rid in ks if self._is_model(methods[rid]))
         probes, probe_time = self._probes([c for c in candidates if not plans[c[0]].k], prices, bool(ks), first_rows,
                                           len(candidates))
@@ -408,13 +427,16 @@ class SpecController:
         return self.costs.step_time(base_tokens + sum(ks.values()), rows, bool(ks), catch_up, base_tokens, len(lags),
                                     max(ks.values(), default=0))
 
-    def _finish(self, rid: str, method: str | None, k: int, marginal_gain: float, prices: "ProbePrices") -> Plan:
+    def _finish(self, rid: str, caps: dict[str, int], method: str | None, k: int, marginal_gain: float,
+                prices: "ProbePrices", batch: int) -> Plan:
         state = self.states.setdefault(rid, RequestSpecState())
         state.idle = k == 0
         if k == 0:
-            _add_credit(state, EXPLORATION * prices.plain_token * self._steps, prices.plain_token)
+            share = EXPLORATION * (1.0 if self._worth_watching(rid, state, caps, prices, batch) else UNDRAFTED_EXPLORATION)
+            _add_credit(state, share * prices.plain_token * self._steps, prices.plain_token)
             return NO_PLAN
         state.look_due = False   # it drafts: it learns without a look
+        state.drafted = state.drafted or (rid, method) not in self._drawn   # an exploration draw is a gamble
         # Confidence stop: drafting on is worth it while P(all drafts so far accepted) stays near
         # the gain the plan's last draft token needed; the draft's own product of q estimates it.
         # Drafts planned on their own evidence were priced position by position already.
@@ -422,6 +444,21 @@ class SpecController:
         if self.draft_p_min is None and self.evidence_keys(rid, method) is not None:
             p_min = 0.0
         return Plan(method, k, p_min)
+
+    def _worth_watching(self, rid: str, state: RequestSpecState, caps: dict[str, int], prices: "ProbePrices",
+                        batch: int) -> bool:
+        """Whether an idle request explores at the full rate: the plan drafted for it before (its
+        acceptance may come back), or its evidence has not ruled out, with some proposer, a rate at
+        which one draft token pays for its row (a chance of at least RULED_OUT under the posterior)."""
+        usable = [m for m in self.methods if caps.get(m, 0) > 0]
+        if state.drafted or not usable:
+            return True
+        for method in usable:
+            row, _ = self._prices(method, {}, batch, prices.per_token)
+            counts, prior, weight = self._evidence(rid, method)
+            if counts.chance_above(min(1.0, row / prices.plain_token), prior, weight) >= RULED_OUT:
+                return True
+        return False
 
     def _probes(self, idle: list[tuple[str, dict[str, int], dict[str, int]]], prices: "ProbePrices",
                 verifies: bool, first_rows: Counter, batch: int) -> tuple[dict[str, Plan], float]:
@@ -537,6 +574,7 @@ class SpecController:
             return
         state = self.states.setdefault(request_id, RequestSpecState())
         judged = judged_tokens(num_drafted, num_accepted)
+        self._prior_weights.clear()
         keys = self.evidence_keys(request_id, method)
         if keys is not None:   # drafted on evidence: calibrate its keys, and this request's ratio
             expected = self.position_rates(request_id, method, scaled=False)
@@ -555,6 +593,7 @@ class SpecController:
 
     def on_finish(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
+        self._prior_weights.clear()
         if state is not None:
             for method, (judged, accepted) in state.totals.items():
                 self.prior_strength[method].observe(judged, accepted)
