@@ -270,8 +270,6 @@ class Engine:
             self.costs.observe_idle_step()
         if self.cadence is not None and self._plan_host_time is not None:
             self._judge_plan(accepted, num_drafts, pure_decode, step_time)
-        if self.cadence is not None and accepted and not planned:
-            self.cadence.wake()   # probes alone won drafts: acceptance may be back
 
     def _judge_plan(self, accepted: int, num_drafts: int, pure_decode: bool, step_time: float) -> None:
         """Tell the cadence what this step's plan delivered (see spec_decode/cadence.py). A drafting

@@ -13,8 +13,7 @@ itself. While the average over recent plans is below zero, the engine plans only
 steps (doubling up to MAX_STRIDE) and decodes plainly in between, with no host work for
 speculation; once the average is back above zero, it plans every step. The controller's
 exploration credit accrues for every step a plan covers, so probes look for acceptance coming back
-as often per step as before, and a probe that finds its draft accepted brings planning back to
-every step (`wake`).
+as often per step as before.
 
 Bookkeeping only: no tensors here.
 """
@@ -48,11 +47,3 @@ class PlanCadence:
         value = won_seconds - extra_seconds - host_seconds
         self.value += VALUE_WEIGHT * (value - self.value)
         self.stride = 1 if self.value >= 0.0 else min(self.max_stride, 2 * self.stride)
-
-    def wake(self) -> None:
-        """Plan the next step: probes found their drafts accepted, so acceptance may be back, and
-        the shift detector needs about eight accepted probes to restart a request's estimate. At a
-        plan every 4 steps a one-stream return from acceptance 0.1 to 0.9 took 28-48 steps to draft
-        3 deep again (the running average, held down by the failed probes before, kept the stride).
-        If the plans still do not pay, the next ones double the stride again."""
-        self.stride = 1
