@@ -488,7 +488,8 @@ def test_failed_probes_cost_at_most_the_exploration_budget():
             if plan.probe:
                 probes[drafted] += 1
                 controller.observe("r", "draft", 1, 0)
-        assert 2 <= probes[drafted] and probes[drafted] * extra <= share * 400 * plain + extra + MAX_CREDIT_STEPS * plain
+        budget = share * 400 * plain + extra + MAX_CREDIT_STEPS * plain
+        assert 2 <= probes[drafted] and probes[drafted] * extra <= budget
     assert probes[True] >= 2 * probes[False], probes
 
 

@@ -78,9 +78,9 @@ from engine.spec_decode.estimates import (GLOBAL_DECAY, MAX_POSITION_RATE, PRIOR
 from engine.step_timer import StepCostModel
 
 EXPLORE_JUDGED = 16.0     # an idle request explores (optimistic posterior draws) until it judged this many
-EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost,
-UNDRAFTED_EXPLORATION = 0.25   # ... times this for a request the plan never drafted for and whose evidence
-RULED_OUT = 0.05               # gives paying acceptance less than this chance (SpecController._worth_watching)
+EXPLORATION = 0.02        # share of a request's plain decoding time that failed probes may cost
+UNDRAFTED_EXPLORATION = 0.25   # its multiplier for a request not worth watching (SpecController._worth_watching)
+RULED_OUT = 0.05          # a paying rate less likely than this is ruled out (never-drafted requests only)
 PROBES_PER_REQUESTS = 8   # at most one probe per 8 decoding requests in a step: probing a big batch costs
 MAX_CREDIT_STEPS = 4.0    # exploration credit saved up (or won by probes) is capped at this many plain steps
 FIRST_LOOK_STEPS = 2.0    # a first look is free while its probe costs at most this many plain steps of the batch,
@@ -432,7 +432,8 @@ class SpecController:
         state = self.states.setdefault(rid, RequestSpecState())
         state.idle = k == 0
         if k == 0:
-            share = EXPLORATION * (1.0 if self._worth_watching(rid, state, caps, prices, batch) else UNDRAFTED_EXPLORATION)
+            watched = self._worth_watching(rid, state, caps, prices, batch)
+            share = EXPLORATION * (1.0 if watched else UNDRAFTED_EXPLORATION)
             _add_credit(state, share * prices.plain_token * self._steps, prices.plain_token)
             return NO_PLAN
         state.look_due = False   # it drafts: it learns without a look

@@ -96,15 +96,18 @@ class DecayedCounts:
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + weight * prior) / (self.judged + weight)
 
+    def posterior(self, prior: float, weight: float) -> tuple[float, float]:
+        """The Beta posterior of the rate: (accepted, rejected) pseudo-counts, the prior's included."""
+        mean, n = self.rate(prior, weight), self.judged + weight
+        return max(mean * n, 1e-3), max((1.0 - mean) * n, 1e-3)
+
     def draw(self, prior: float, weight: float, rng: random.Random) -> float:
         """One draw from the Beta posterior of the rate, optimistic: never below its mean."""
-        mean, n = self.rate(prior, weight), self.judged + weight
-        return max(mean, rng.betavariate(max(mean * n, 1e-3), max((1.0 - mean) * n, 1e-3)))
+        return max(self.rate(prior, weight), rng.betavariate(*self.posterior(prior, weight)))
 
     def chance_above(self, rate: float, prior: float, weight: float) -> float:
         """The Beta posterior's probability that the rate is at least `rate`."""
-        mean, n = self.rate(prior, weight), self.judged + weight
-        return 1.0 - beta_cdf(rate, max(mean * n, 1e-3), max((1.0 - mean) * n, 1e-3))
+        return 1.0 - beta_cdf(rate, *self.posterior(prior, weight))
 
 
 def beta_cdf(x: float, a: float, b: float) -> float:
