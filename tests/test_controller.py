@@ -242,7 +242,9 @@ def test_a_shift_in_the_traffic_forgets_how_alike_earlier_requests_were():
     ones look unlike them and the engine-wide rate would be worth a few pseudo-tokens, every request
     planned on its own few tokens (at alpha 0.9, batch 4, after alpha 0.5: 1-2 pseudo-tokens,
     estimates 0.70-0.99 and draft lengths 1-8). The engine-wide shift detector fires within the new traffic's first
-    tokens, the old requests are forgotten, and a few alike new ones make the prior strong again."""
+    tokens, the old requests are forgotten, and the new ones are taken to be as alike as the old
+    were until enough of them finished to tell (they are here: the prior stays strong); new
+    requests that differ from each other make it weak."""
     from engine.spec_decode.estimates import MAX_PRIOR_WEIGHT
     weights = {}
     for forget in (True, False):
@@ -250,9 +252,15 @@ def test_a_shift_in_the_traffic_forgets_how_alike_earlier_requests_were():
         controller.forget_on_shift = forget
         finished_requests(controller, [0.5] * 40, together=4)
         assert controller.prior_weight("draft") >= 0.75 * MAX_PRIOR_WEIGHT
-        finished_requests(controller, [0.9] * 12, together=4, seed=1, name="new")
-        weights[forget] = controller.prior_weight("draft")
-    assert weights[True] >= 0.75 * MAX_PRIOR_WEIGHT and weights[False] <= 0.2 * MAX_PRIOR_WEIGHT, weights
+        finished_requests(controller, [0.9] * 4, together=4, seed=1, name="new")
+        carried = controller.prior_weight("draft")   # four finished since the shift: too few to tell
+        finished_requests(controller, [0.9] * 8, together=4, seed=2, name="newer")
+        weights[forget] = (carried, controller.prior_weight("draft"))
+    assert min(weights[True]) >= 0.75 * MAX_PRIOR_WEIGHT and weights[False][1] <= 0.2 * MAX_PRIOR_WEIGHT, weights
+    controller = SpecController(["draft"], MAX_K, costs(0.0005))
+    finished_requests(controller, [0.5] * 40, together=4)
+    finished_requests(controller, [0.7, 0.99] * 6, together=4, seed=3, name="unlike")
+    assert controller.prior_weight("draft") <= 0.2 * MAX_PRIOR_WEIGHT
 
 
 def test_an_unlucky_start_keeps_drafting_when_requests_are_alike():
