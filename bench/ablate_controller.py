@@ -4,11 +4,8 @@ one mechanism off (--without): its 5% plan hurdle, its exploration draws, a new 
 probe, its steady acceptance memory (the short one alone, no shift detector), the scaling of
 predicted drafting-step times by what whole steps measured, or the pooled prior (the engine-wide
 rate always worth 4 judged tokens, however alike finished requests were), long exploration
-(idle requests draw optimistic rates only until they judged 4 tokens, not 16), shared probes
-(every probe priced and charged as if alone in its pass, at most one per eight requests a step),
-the prior's reset on an engine-wide shift (requests finished before a shift in the traffic keep
-weighing in how alike requests are), or the depth tolerance (the deepest plan the model prefers,
-however slightly, instead of the shallowest within 2% of it).
+(idle requests draw optimistic rates only until they judged 4 tokens, not 16), or shared probes
+(every probe priced and charged as if alone in its pass, at most one per eight requests a step).
 Throughput as a ratio to plain decoding, over --repeats lock-step runs (each with its own prompts)
 after an untimed one; under it, what each adaptive engine chose (bench_spec.ChoiceLog).
 
@@ -31,7 +28,7 @@ from engine import LLM  # noqa: E402
 
 
 VARIANTS = ("no hurdle", "no exploration", "no first look", "short memory", "no step bias", "fixed prior",
-            "short exploration", "lone probes", "prior across shifts", "deepest plan")
+            "short exploration", "lone probes")
 
 
 def switch_off(engine, variant: str) -> None:
@@ -52,10 +49,6 @@ def switch_off(engine, variant: str) -> None:
         engine.controller.pool_evidence = False
     elif variant == "lone probes":   # every probe priced and charged as if alone in its pass, one per 8 requests
         engine.controller.share_probes = False
-    elif variant == "prior across shifts":
-        engine.controller.forget_on_shift = False
-    elif variant == "deepest plan":
-        engine.controller.depth_tolerance = 0.0
     elif variant != "adaptive":
         raise SystemExit(f"unknown variant {variant!r}: adaptive or one of {', '.join(VARIANTS)}")
 

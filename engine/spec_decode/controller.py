@@ -25,12 +25,6 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   output token): a draft beside a long prompt must beat plain decoding's rate, as any other. A
   plan that promises less than HURDLE (5%) more goodput than plain decoding is dropped: predicted
   step times err by about that much, and in a close call plain decoding cannot lose.
-- Goodput can be flat in depth: at alpha 0.9, batch 4, the model put uniform plans of 3 to 6
-  drafts within 1% of each other (and measured so: static gamma 4 against 8, 4% apart a step),
-  and estimates a hundredth apart sent requests anywhere from 3 to 8 deep. So the plan's deepest
-  positions are dropped while goodput stays within DEPTH_TOLERANCE (2%) of the best: a shorter
-  step loses at most that by the model, streams its tokens more evenly, and risks less when an
-  estimate is high (deep tokens lose most when it is).
 - A request whose plan is k = 0 still probes now and then (k = 1 with its best proposer, a free
   one when there is one, else the draft model, its catch-up priced in), so it notices when
   acceptance comes back. Probing is paid from an exploration budget: each step adds EXPLORATION of
@@ -96,7 +90,6 @@ CATCH_UP_STEPS = 4.0      # a draft model's catch-up is paid once and serves the
                           # the plan's rates spread it over this many
 HURDLE = 0.05             # a plan must promise this much more goodput than plain decoding: the cost model
                           # errs by about as much, and plain decoding is the safe side of a close call
-DEPTH_TOLERANCE = 0.02    # the shallowest plan within this much of the best plan's goodput is kept (see plan)
 
 
 @dataclass(frozen=True)
@@ -173,7 +166,6 @@ class SpecController:
         self._keys: dict[str, dict[str, list]] = {}   # this plan's evidence keys: request -> method -> per position
         self.prior_strength = {m: PriorStrength() for m in self.methods}
         self.pool_evidence = True   # False: the prior weighs PRIOR_WEIGHT always (the ablation's "fixed prior")
-        self.forget_on_shift = True   # False: finished requests weigh in across engine-wide shifts too
         self._prior_weights: dict[str, float] = {}   # method -> prior_weight, until the next observation
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
@@ -183,7 +175,6 @@ class SpecController:
         self._steps = 1               # steps the current plan stands for (the cadence's skipped ones too)
         self.explore = explore
         self.hurdle = HURDLE
-        self.depth_tolerance = DEPTH_TOLERANCE
         self.first_look = True   # a new request's first probe is free (the ablation switches it off)
         self.share_probes = True   # False: every probe priced and charged as if alone in its pass (the ablation's
                                    # "lone probes")
@@ -338,11 +329,11 @@ class SpecController:
                 expected, time = expected - gain, time - seconds
         lags = {rid: lag for rid, _, lag in candidates}
         spread = self._spread_catch_up(taken, methods, lags)
-        plain_rate = len(candidates) / (decode_time + overhead)
         expected, time = self._trim_deep_positions(taken, expected, base_tokens, methods, lags,
-                                                   prompt_share - overhead + spread, (1.0 + self.hurdle) * plain_rate)
+                                                   prompt_share - overhead + spread)
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
         bars = {rid: tokens[-1][0] for rid, tokens in taken.items()}
+        plain_rate = len(candidates) / (decode_time + overhead)
         if ks and expected / time < (1.0 + self.hurdle) * plain_rate:   # plain is (about) as good
             ks = {}
         time = time - overhead + spread if ks else decode_time
@@ -368,19 +359,16 @@ class SpecController:
         return self.costs.drafting_bias * seconds * (1.0 - 1.0 / CATCH_UP_STEPS)
 
     def _trim_deep_positions(self, taken: dict[str, list[tuple[float, float]]], expected: float,
-                             base_tokens: int, methods: dict, lags: dict, offset: float = 0.0, floor: float = 0.0
+                             base_tokens: int, methods: dict, lags: dict, offset: float = 0.0
                              ) -> tuple[float, float]:
         """The greedy prices a model draft token at its share of a forward over every drafting
         request, but the draft runs one sequential forward per position: the deepest positions,
         reached by a few requests with the highest estimates, cost a whole forward each. Drop the
-        deepest position while the exact step time says goodput rises without it, and on while it
-        stays within DEPTH_TOLERANCE of the best plan seen and at least `floor` (the plan's bar
-        against plain decoding). Returns the kept plan's expected tokens and predicted step time
-        less offset (the prompt tokens' share of the pass, less the step's host overhead; 0.0 when
-        nothing was taken)."""
+        deepest position while the exact step time says goodput rises without it. Returns the
+        kept plan's expected tokens and predicted step time less offset (the prompt tokens' share of
+        the pass, less the step's host overhead; 0.0 when nothing was taken)."""
         ks = {rid: len(tokens) for rid, tokens in taken.items()}
         time = max(self.predicted_time(base_tokens, ks, methods, lags) - offset, 1e-9) if ks else 0.0
-        best = expected / time if ks else 0.0
         while ks:
             depth = max(ks.values())
             deepest = [rid for rid, k in ks.items() if k == depth and k > 1]
@@ -389,13 +377,11 @@ class SpecController:
             lost = sum(taken[rid][-1][0] for rid in deepest)
             trimmed = {rid: k - 1 if rid in deepest else k for rid, k in ks.items()}
             trimmed_time = max(self.predicted_time(base_tokens, trimmed, methods, lags) - offset, 1e-9)
-            rate = (expected - lost) / trimmed_time
-            if rate <= expected / time and rate < max((1.0 - self.depth_tolerance) * best, floor):
+            if (expected - lost) / trimmed_time <= expected / time:
                 break
             for rid in deepest:
                 taken[rid].pop()
             ks, expected, time = trimmed, expected - lost, trimmed_time
-            best = max(best, rate)
         return expected, time
 
     def _choose_method(self, rid: str, caps: dict[str, int], lag: dict[str, int], batch: int,
@@ -600,11 +586,7 @@ class SpecController:
         totals = state.totals.setdefault(method, [0, 0])
         totals[0] += judged
         totals[1] += num_accepted
-        engine_wide = self.global_counts[method]
-        restarts = engine_wide.restarts
-        engine_wide.observe(num_drafted, num_accepted)
-        if engine_wide.restarts != restarts and self.forget_on_shift:
-            self.prior_strength[method].forget()   # see PriorStrength: requests before a shift are other traffic
+        self.global_counts[method].observe(num_drafted, num_accepted)
         if state.probe is not None:   # charge the probe its net cost: won tokens pay for it
             extra, plain_token = state.probe
             _add_credit(state, num_accepted * plain_token - extra, plain_token)

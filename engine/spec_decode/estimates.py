@@ -81,7 +81,6 @@ class DecayedCounts:
         self.judged = 0.0
         self.accepted = 0.0
         self.shifts = ShiftDetector() if watch else None
-        self.restarts = 0   # shifts detected so far
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         judged = judged_tokens(num_drafted, num_accepted)
@@ -89,7 +88,6 @@ class DecayedCounts:
             since = self.shifts.observe(self.accepted / self.judged, num_accepted, judged)
             if since is not None:
                 self.judged, self.accepted = map(float, since)
-                self.restarts += 1
                 return
         forget = self.decay ** judged
         self.judged = forget * self.judged + judged
@@ -169,27 +167,12 @@ class PriorStrength:
     Finished requests are forgotten geometrically, so the estimate follows the traffic. Live
     requests' totals so far count beside them: until MIN_FINISHED requests had finished, a young
     engine held every request to PRIOR_WEIGHT, and at alpha 0.9, batch 4, a wave whose own first
-    tokens read 0.63-0.84 drafted 2 deep for 20 steps where the next wave, pooled, drafted 6-7.
-    A shift of the engine-wide rate (its own detector) forgets the finished requests: they were
-    other traffic, and pooled with the new requests they made these look unlike each other (at
-    alpha 0.9, batch 4, after cells at 0 and 0.5: 1-2 pseudo-tokens, estimates 0.70-0.99 and
-    draft lengths 1-8 for requests that all accepted at 0.9)."""
+    tokens read 0.63-0.84 drafted 2 deep for 20 steps where the next wave, pooled, drafted 6-7."""
 
     def __init__(self, decay: float = 0.98):
         self.decay = decay
         self.count = 0
-        self.carried = PRIOR_WEIGHT   # the weight until MIN_FINISHED requests finished (see forget)
         self.sums = [0.0, 0.0, 0.0, 0.0]   # decayed sums of 1, r, r^2, 1/n over finished requests
-
-    def forget(self) -> None:
-        """The traffic changed (the engine-wide rate shifted): requests finished before are other
-        traffic. Until enough new ones finished to tell, the new traffic is taken to be as alike as
-        the old was (its weight is carried over): reset to PRIOR_WEIGHT, one stream at a time never
-        saw MIN_FINISHED requests in a row of the sweep, and with 4 pseudo-tokens its estimates
-        at alpha 0.9 sat near 0.85 (a rejection lowers the estimate and the depth, and a shallower
-        request judges fewer tokens to win it back)."""
-        self.carried = self.weight()
-        self.count, self.sums = 0, [0.0, 0.0, 0.0, 0.0]
 
     def observe(self, judged: int, accepted: int) -> None:
         """A finished request's totals."""
@@ -212,7 +195,7 @@ class PriorStrength:
                 count += 1
                 sums = [s + x for s, x in zip(sums, self._terms(judged, accepted))]
         if count < MIN_FINISHED:
-            return self.carried
+            return PRIOR_WEIGHT
         total, first, second, inverse = sums
         mean, inverse = first / total, inverse / total
         spread = max(second / total - mean * mean, 0.0)
