@@ -28,6 +28,7 @@ namespace {
 constexpr int64_t NB = 4;    // outputs per block
 constexpr int64_t KB = 32;   // k per group: one zmm of bf16 pairs
 constexpr int MAXT = 6;      // rows per register tile
+constexpr int64_t PREFETCH_ROWS = 5;   // from this many rows a pass prefetches the next block (see block_rows)
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
 
@@ -41,15 +42,18 @@ AVX512_BF16 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// y[m0 : m0 + MT, n0 : n0 + 4] from one block of the packed weight and MT rows of bf16 inputs.
+// y[m0 : m0 + MT, n0 : n0 + 4] from one block of the packed weight and MT rows of bf16 inputs; with
+// `next`, the next block is prefetched into L2 as the loop goes (see block_rows).
 template <int MT>
 AVX512_BF16 inline void tile(const uint16_t* block, const uint16_t* x, float* y, const float* bias, int64_t K,
-                             int64_t N, int64_t m0, int64_t n0) {
+                             int64_t N, int64_t m0, int64_t n0, const uint16_t* next) {
   __m512 acc[MT][NB];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += KB) {
     const uint16_t* group = block + k * NB;
+    if (next)   // the next block's group at this k: 4 cache lines
+      for (int line = 0; line < NB; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + k * NB + line * KB), _MM_HINT_T1);
     __m512bh xs[MT];
     for (int i = 0; i < MT; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * K + k);
     for (int j = 0; j < NB; ++j) {
@@ -62,18 +66,23 @@ AVX512_BF16 inline void tile(const uint16_t* block, const uint16_t* x, float* y,
     _mm_storeu_ps(y + (m0 + i) * N + n0, _mm_add_ps(sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), b));
 }
 
-// All M rows against one block: tiles as even as MAXT allows (8 rows: 4 + 4, not 6 + 2).
+// All M rows against one block: tiles as even as MAXT allows (8 rows: 4 + 4, not 6 + 2). The first
+// tile streams the block from memory, later ones read it from L1 and would leave the memory idle: so
+// the last tile prefetches the next block (`next`, null for a thread's last) into L2. Without it, a
+// pass of 5-9 rows cost the memory stream plus the later tiles' compute (a 4096 x 1024 weight, 2
+// threads, AVX512-BF16 EPYC: 138 us at 1 row, 143 at 4, 214 at 5, 371 at 8).
 AVX512_BF16 void block_rows(const uint16_t* block, const uint16_t* x, float* y, const float* bias, int64_t M,
-                            int64_t K, int64_t N, int64_t n0) {
+                            int64_t K, int64_t N, int64_t n0, const uint16_t* next) {
   for (int64_t m = 0; m < M;) {
     const int64_t left = M - m, tiles = (left + MAXT - 1) / MAXT, rows = (left + tiles - 1) / tiles;
+    const uint16_t* ahead = M >= PREFETCH_ROWS && m + rows == M ? next : nullptr;
     switch (rows) {
-      case 1: tile<1>(block, x, y, bias, K, N, m, n0); break;
-      case 2: tile<2>(block, x, y, bias, K, N, m, n0); break;
-      case 3: tile<3>(block, x, y, bias, K, N, m, n0); break;
-      case 4: tile<4>(block, x, y, bias, K, N, m, n0); break;
-      case 5: tile<5>(block, x, y, bias, K, N, m, n0); break;
-      default: tile<6>(block, x, y, bias, K, N, m, n0); break;
+      case 1: tile<1>(block, x, y, bias, K, N, m, n0, ahead); break;
+      case 2: tile<2>(block, x, y, bias, K, N, m, n0, ahead); break;
+      case 3: tile<3>(block, x, y, bias, K, N, m, n0, ahead); break;
+      case 4: tile<4>(block, x, y, bias, K, N, m, n0, ahead); break;
+      case 5: tile<5>(block, x, y, bias, K, N, m, n0, ahead); break;
+      default: tile<6>(block, x, y, bias, K, N, m, n0, ahead); break;
     }
     m += rows;
   }
@@ -130,7 +139,8 @@ torch::Tensor linear_bf16_blocks(const torch::Tensor& x, const torch::Tensor& bl
   float* out = y.data_ptr<float>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   at::parallel_for(0, N / NB, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) block_rows(w + blk * NB * K, xs, out, b, M, K, N, blk * NB);
+    for (int64_t blk = begin; blk < end; ++blk)
+      block_rows(w + blk * NB * K, xs, out, b, M, K, N, blk * NB, blk + 1 < end ? w + (blk + 1) * NB * K : nullptr);
   });
   return y;
 }
