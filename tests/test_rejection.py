@@ -311,17 +311,21 @@ def recover_from_p(target_probs, drafts, num_draft, draft_probs, is_greedy, gene
     return out, accepted
 
 
-def run_statistical(sampler, one_hot_drafts: bool) -> tuple[float, float]:
+def run_statistical(sampler, one_hot_drafts: bool, unseeded: bool = False) -> tuple[float, float]:
+    """unseeded: every row draws from the global RNG (drawn for all rows in one call), else each
+    from its own generator."""
     target, target_probs, drafts, num_draft, draft_probs = speculative_batch(one_hot_drafts)
-    generators = [seeded(10_000 + b) for b in range(ROWS)]
+    torch.manual_seed(11)
+    generators = [None if unseeded else seeded(10_000 + b) for b in range(ROWS)]
     out, accepted = sampler(target_probs, drafts, num_draft, draft_probs, torch.zeros(ROWS, dtype=torch.bool), generators)
     assert torch.equal((out >= 0).sum(1), accepted + 1)
     return chi_square_pvalues(target, first_three_tokens(target, out))
 
 
+@pytest.mark.parametrize("unseeded", [False, True], ids=["own-generators", "global-rng"])
 @pytest.mark.parametrize("one_hot_drafts", [False, True], ids=["draft-probs", "one-hot-drafts"])
-def test_emitted_tokens_follow_the_target_distribution(one_hot_drafts):
-    p_first, p_joint = run_statistical(rejection_sample, one_hot_drafts)
+def test_emitted_tokens_follow_the_target_distribution(one_hot_drafts, unseeded):
+    p_first, p_joint = run_statistical(rejection_sample, one_hot_drafts, unseeded)
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
 

@@ -6,9 +6,10 @@ normalize(max(0, p_j - q_j)); if every draft is accepted emit a bonus token from
 p_K. The emitted sequence is then distributed exactly as sampling from p token
 by token. Greedy rows accept while argmax(p_j) == x_j.
 
-All accept/reject math is batched; the only Python loop draws each sampled
-row's random numbers from its own generator, in a fixed order (num_draft
-uniforms, then one V-sized exponential draw for the extra token).
+All accept/reject math is batched; the only Python loop draws each seeded
+sampled row's random numbers from its own generator, in a fixed order (num_draft
+uniforms, then one V-sized exponential draw for the extra token); unseeded rows
+draw in one call.
 
 Coupled rows (seeded requests, engine.sampler.PositionalNoise) come with the
 target's own draw at every row, argmax(p_j / E_j); their drafts were drawn as
@@ -105,14 +106,24 @@ def _draw_random(
     vocab_size: int,
     device,
 ) -> tuple[Tensor, Tensor]:
-    """Per sampled row, in this order: num_draft uniforms, then V exponentials.
-    Greedy and coupled rows draw nothing (their uniforms are unused, their noise is 1)."""
+    """Per seeded sampled row, from its own generator in this order: num_draft uniforms, then V
+    exponentials. Unseeded sampled rows share the global RNG (not reproducible anyway), so they are
+    drawn together in one call of each. Greedy and coupled rows draw nothing (their uniforms are
+    unused, their noise is 1)."""
     uniforms = torch.ones(len(draws_nothing), max_draft, dtype=torch.float32, device=device)
     noise = torch.ones(len(draws_nothing), vocab_size, dtype=torch.float32, device=device)
+    unseeded = []
     for b, skip in enumerate(draws_nothing):
         if skip:
+            continue
+        if generators[b] is None:
+            unseeded.append(b)
             continue
         if num_draft[b] > 0:
             uniforms[b, : num_draft[b]] = torch.rand(num_draft[b], generator=generators[b], device=device)
         fill_exponential_(noise[b], generators[b])
+    if unseeded:
+        index = torch.tensor(unseeded, dtype=torch.long, device=device)
+        uniforms.index_copy_(0, index, torch.rand(len(unseeded), max_draft, device=device))
+        noise.index_copy_(0, index, fill_exponential_(torch.empty(len(unseeded), vocab_size, device=device), None))
     return uniforms, noise
