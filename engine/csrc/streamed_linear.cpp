@@ -34,6 +34,7 @@ struct Bf16Weights {
     __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + k));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
   }
+  inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), _MM_HINT_T1); }
 };
 
 struct Int8Weights {
@@ -45,19 +46,22 @@ struct Int8Weights {
     __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
     return _mm256_mul_ps(w, _mm256_set1_ps(scales[n * (K / GROUP) + k / GROUP]));
   }
+  inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(q + n * K + k), _MM_HINT_T1); }
 };
 
 // y[m0 : m0 + MT, n] for MT <= 4 rows: output n's weight row is read front to back (one stream the
 // hardware prefetcher follows; interleaving several rows' streams measured ~2x slower), widened once
 // per 8 weights for all MT rows, with U partial sums per row over K so that MT * U (8 or so) FMA
-// chains hide the FMA latency.
+// chains hide the FMA latency. With `ahead` (>= 0), output `ahead`'s weight row is prefetched into L2
+// as the loop goes (see output).
 template <int MT, int U, typename W>
 inline void tile(const W& weights, const float* x, float* y, const float* bias, int64_t K, int64_t N,
-                 int64_t m0, int64_t n) {
+                 int64_t m0, int64_t n, int64_t ahead = -1) {
   __m256 acc[MT][U];
   for (int i = 0; i < MT; ++i)
     for (int u = 0; u < U; ++u) acc[i][u] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8 * U) {
+    if (ahead >= 0) weights.prefetch(ahead, k);   // a line holds 32-64 weights: some prefetches repeat
     for (int u = 0; u < U; ++u) {
       const __m256 w = weights.load(n, k + 8 * u);
       for (int i = 0; i < MT; ++i)
@@ -72,16 +76,18 @@ inline void tile(const W& weights, const float* x, float* y, const float* bias, 
 }
 
 // All M rows against output n: tiles of 4 rows, then the tail. The weight row (K * 1 or 2 bytes)
-// stays in L1 while the row tiles after the first use it.
+// stays in L1 while the row tiles after the first use it; those leave the memory idle, so with more
+// than one tile the last prefetches output `next`'s row into L2 (-1: none).
 template <typename W>
 inline void output(const W& weights, const float* x, float* y, const float* bias, int64_t M, int64_t K, int64_t N,
-                   int64_t n) {
+                   int64_t n, int64_t next) {
+  const int64_t ahead = M > 4 ? next : -1;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<4, 2>(weights, x, y, bias, K, N, m, n);
+  for (; m + 4 <= M; m += 4) tile<4, 2>(weights, x, y, bias, K, N, m, n, m + 4 == M ? ahead : -1);
   switch (M - m) {
-    case 3: tile<3, 2>(weights, x, y, bias, K, N, m, n); break;
-    case 2: tile<2, 4>(weights, x, y, bias, K, N, m, n); break;
-    case 1: tile<1, 4>(weights, x, y, bias, K, N, m, n); break;
+    case 3: tile<3, 2>(weights, x, y, bias, K, N, m, n, ahead); break;
+    case 2: tile<2, 4>(weights, x, y, bias, K, N, m, n, ahead); break;
+    case 1: tile<1, 4>(weights, x, y, bias, K, N, m, n, ahead); break;
   }
 }
 
@@ -90,7 +96,8 @@ template <typename W>
 void run_rows(const W& weights, const float* x, float* y, const float* bias, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = (N + BLOCK_N - 1) / BLOCK_N;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin * BLOCK_N; n < std::min(N, end * BLOCK_N); ++n) output(weights, x, y, bias, M, K, N, n);
+    const int64_t last = std::min(N, end * BLOCK_N);
+    for (int64_t n = begin * BLOCK_N; n < last; ++n) output(weights, x, y, bias, M, K, N, n, n + 1 < last ? n + 1 : -1);
   });
 }
 
