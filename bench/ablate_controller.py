@@ -21,7 +21,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_spec import oracle_cell, oracle_prompts, prompt_sets, speculative_llm  # noqa: E402
+from bench_spec import ENGINE_OPTIONS, oracle_cell, oracle_prompts, prompt_sets, speculative_llm  # noqa: E402
 from common import SMALL_DRAFT, random_llama  # noqa: E402
 
 from engine import LLM  # noqa: E402
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target = random_llama(os.path.join(args.root, "target"))
     draft = random_llama(os.path.join(args.root, "draft"), seed=1, **SMALL_DRAFT)
-    plain = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(args.batch, 16))
+    plain = LLM(target, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(args.batch, 16), **ENGINE_OPTIONS)
     prompts, continuations = oracle_prompts(plain, args.batch * (args.repeats + 1), args.new_tokens)
     llms = {"plain": plain}
     gammas = [int(g) for g in args.gammas.split(",")]

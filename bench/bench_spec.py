@@ -84,7 +84,11 @@ class OracleProposer:
         self.draft.on_finish(request_id)
 
 
-ENGINE_OPTIONS: dict = {}   # options every engine of the run gets (main sets cuda_graphs from --cuda-graphs)
+# Options every engine of the run gets (main adds cuda_graphs from --cuda-graphs). No prefix caching:
+# an engine that met a prompt before (the warm-up, the theory table's alphas) recomputes only its last
+# token, in a pass of one row where the plain continuation's prefill had it among 32, and with dtype
+# auto on a native-bf16 CPU the two can take different kernels (each shape's crossing is measured).
+ENGINE_OPTIONS: dict = {"enable_prefix_caching": False}
 KV_BYTES = 512 << 20   # 4,096 tokens of the fp32 target: batch 16 needs ~1,700; seven engines of 1 GiB ran out of memory
 
 
@@ -173,12 +177,15 @@ def theory_table(target, draft, dtype, prompts, continuations, plain_tps, new_to
 
 
 def oracle_prompts(plain_llm: LLM, count: int, new_tokens: int) -> tuple[list[list[int]], dict]:
-    """count random 32-token prompts (seeded) and the plain greedy continuation of each."""
+    """count random 32-token prompts (seeded) and the plain greedy continuation of each, each prompt
+    generated alone: with dtype auto on a native-bf16 CPU, a prompt prefilled beside others can go
+    through oneDNN's bf16 matmul where alone it stays in the row-exact kernel (each shape's crossing
+    is measured), and its continuation then differs from what a batch-1 cell decodes."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, plain_llm.engine.vocab_size, (32,), generator=generator).tolist()
                for _ in range(count)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return prompts, {tuple(p): o.token_ids for p, o in zip(prompts, plain_llm.generate(prompts, params))}
+    return prompts, {tuple(p): plain_llm.generate([p], params)[0].token_ids for p in prompts}
 
 
 def prompt_sets(prompts: list[list[int]], batch: int, repeats: int) -> list[list[list[int]]]:
