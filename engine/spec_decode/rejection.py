@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.sampler import exponential_race, fill_exponential_
+from engine.sampler import draw_exponentials, exponential_race
 
 
 def rejection_sample(
@@ -108,22 +108,20 @@ def _draw_random(
 ) -> tuple[Tensor, Tensor]:
     """Per seeded sampled row, from its own generator in this order: num_draft uniforms, then V
     exponentials. Unseeded sampled rows share the global RNG (not reproducible anyway), so they are
-    drawn together in one call of each. Greedy and coupled rows draw nothing (their uniforms are
-    unused, their noise is 1)."""
+    drawn together in one call of each (draw_exponentials does the same for the noise). Greedy and
+    coupled rows draw nothing (their uniforms are unused, their noise is 1)."""
     uniforms = torch.ones(len(draws_nothing), max_draft, dtype=torch.float32, device=device)
     noise = torch.ones(len(draws_nothing), vocab_size, dtype=torch.float32, device=device)
-    unseeded = []
-    for b, skip in enumerate(draws_nothing):
-        if skip:
-            continue
-        if generators[b] is None:
-            unseeded.append(b)
-            continue
-        if num_draft[b] > 0:
+    sampled = [b for b, skip in enumerate(draws_nothing) if not skip]
+    if not sampled:
+        return uniforms, noise
+    for b in sampled:
+        if generators[b] is not None and num_draft[b] > 0:
             uniforms[b, : num_draft[b]] = torch.rand(num_draft[b], generator=generators[b], device=device)
-        fill_exponential_(noise[b], generators[b])
+    unseeded = [b for b in sampled if generators[b] is None]
     if unseeded:
         index = torch.tensor(unseeded, dtype=torch.long, device=device)
         uniforms.index_copy_(0, index, torch.rand(len(unseeded), max_draft, device=device))
-        noise.index_copy_(0, index, fill_exponential_(torch.empty(len(unseeded), vocab_size, device=device), None))
+    index = torch.tensor(sampled, dtype=torch.long, device=device)
+    noise.index_copy_(0, index, draw_exponentials([generators[b] for b in sampled], vocab_size, device))
     return uniforms, noise
