@@ -18,8 +18,11 @@ from one run:
                                [--repeats 3] [--skip theory,sweep,shift]
 
 The oracle replays greedy output, so every engine must compute each row alike whatever the pass's
-shape. On a CPU with native bf16, dtype auto's passes of 4+ rows round activations to bf16
-(engine/models/streamed_linear.py), which breaks that: run with --dtype float32 there.
+shape. On a CPU with native bf16, dtype auto's wide passes go to oneDNN's bf16 matmul, whose rows
+depend on the pass (engine/models/streamed_linear.py), which breaks that at batches 4 and 16: run
+those with --dtype float32, or with --row-exact, which keeps every pass of up to 512 rows in the
+blocked AVX512-BF16 kernel (each row computed alike in any pass): the product's weights and kernel,
+without the oneDNN passes the product takes from 48-64 rows (there it would be faster).
 """
 from __future__ import annotations
 
@@ -304,6 +307,13 @@ def sweep(target, draft, dtype, prompts, continuations, new_tokens, alphas, batc
     return rows
 
 
+def keep_rows_exact() -> None:
+    """Layers built from now on never hand a pass to oneDNN (see --row-exact)."""
+    from engine.models import streamed_linear
+    streamed_linear.native_rows = lambda layer: None
+    streamed_linear.NATIVE_BF16_ROWS = None
+
+
 def workload_shift(target, draft, dtype, prompt, continuation, new_tokens: int) -> None:
     """Acceptance 0.9, then 0.1 from the middle third, then 0.9 again: the draft length per step."""
     llm = speculative_llm(target, draft, dtype, max(STATIC_GAMMAS), True, 1)
@@ -342,6 +352,8 @@ def main(argv=None) -> None:
                         help="also run a new adaptive engine per sweep cell beside the one carried through the row")
     parser.add_argument("--cuda-graphs", action="store_true", help="GPU: every engine replays decode and "
                         "verification passes as CUDA graphs")
+    parser.add_argument("--row-exact", action="store_true", help="dtype auto on a CPU with AVX512-BF16: every "
+                        "pass of up to 512 rows in the row-exact kernel, so batches 4 and 16 replay the oracle")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: theory,sweep,shift")
     root = os.path.join(tempfile.gettempdir(), "specserve-bench")
     parser.add_argument("--model-dir", default=os.path.join(root, "target"))
@@ -351,6 +363,8 @@ def main(argv=None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     skip = set(args.skip.split(","))
 
+    if args.row_exact:
+        keep_rows_exact()
     target = random_llama(args.model_dir)
     draft = random_llama(args.draft_dir, seed=1, **{k: v for k, v in SMALL_DRAFT.items()})
     ENGINE_OPTIONS.update(cuda_graphs=args.cuda_graphs)
