@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
 from engine.spec_decode.base import Proposal
-from engine.spec_decode.cadence import PlanCadence
+from engine.spec_decode.cadence import PlanCadence, luck_variance
 from engine.verify import VerifyResult, verify
 
 logger = logging.getLogger("specserve.engine")
@@ -246,14 +246,16 @@ class Engine:
                step_time: float) -> None:
         """Feed the controller what verification made of each draft, the cost model the pass and
         step times, and the cadence what the step's plan delivered."""
-        accepted = 0   # draft tokens accepted this step
+        accepted, luck = 0, 0.0   # draft tokens accepted this step, and the variance of that count by chance
         for i, item in enumerate(batch.scheduled):
             if not item.is_decode:
                 continue
             drafts = proposal.draft_token_ids[i]
             if drafts:
-                self.controller.observe(item.request.request_id, item.method, len(drafts), result.num_accepted[i])
+                rid = item.request.request_id
+                self.controller.observe(rid, item.method, len(drafts), result.num_accepted[i])
                 accepted += result.num_accepted[i]
+                luck += luck_variance(self.controller.last_gains.get(rid, [])[:len(drafts)])
         num_drafts = sum(len(d) for d in proposal.draft_token_ids)
         self.costs.observe_pass(sum(s.num_new_tokens for s in batch.scheduled) + num_drafts, verify_time,
                                 num_drafts > 0, len(batch.scheduled))
@@ -269,9 +271,9 @@ class Engine:
         elif pure_decode and self.controller.adaptive and not planned:
             self.costs.observe_idle_step()
         if self.cadence is not None and self._plan_host_time is not None:
-            self._judge_plan(accepted, num_drafts, pure_decode, step_time)
+            self._judge_plan(accepted, luck, num_drafts, pure_decode, step_time)
 
-    def _judge_plan(self, accepted: int, num_drafts: int, pure_decode: bool, step_time: float) -> None:
+    def _judge_plan(self, accepted: int, luck: float, num_drafts: int, pure_decode: bool, step_time: float) -> None:
         """Tell the cadence what this step's plan delivered (see spec_decode/cadence.py). A drafting
         step of decodes alone is charged what it measured over plain decoding's curve: the plan's
         prediction of it ran 1.75x short at 13-16 requests (in part the draft model's catch-ups, in
@@ -283,7 +285,8 @@ class Engine:
             extra = step_time - controller.last_plain_time
         else:
             extra = max((controller.last_predicted_time or 0.0) - controller.last_plain_time, 0.0)
-        self.cadence.observe(accepted * controller.last_plain_token, extra, self._plan_host_time)
+        token = controller.last_plain_token
+        self.cadence.observe(accepted * token, extra, self._plan_host_time, luck * token * token)
         self._plan_host_time = None   # a failed pass rerun request by request is judged once
 
     def _forget(self, request_id: str) -> None:

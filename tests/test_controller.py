@@ -756,7 +756,8 @@ def test_probe_only_steps_do_not_scale_drafting_steps():
     from engine.step_timer import STALE_STEPS, StepCostModel
     costs = StepCostModel()
     item = SimpleNamespace(is_decode=True, num_new_tokens=1, request=SimpleNamespace(request_id="r"), method="ngram")
-    controller = SimpleNamespace(adaptive=True, last_predicted_time=0.05, last_depth=0, observe=lambda *a: None)
+    controller = SimpleNamespace(adaptive=True, last_predicted_time=0.05, last_depth=0, last_gains={},
+                                 observe=lambda *a: None)
     engine = SimpleNamespace(controller=controller, costs=costs, cadence=None)
     batch = SimpleNamespace(scheduled=[item])
     proposal = SimpleNamespace(draft_token_ids=[[7]])   # one probe token
@@ -860,13 +861,15 @@ def test_cadence_plans_less_often_while_plans_do_not_pay():
     assert cadence.stride == 1 and cadence.due()
 
 
-def share_of_steps_planned(win_chance: float, seed: int = 0, plans: int = 4000) -> float:
-    """One draft token a plan, won (a plain step of 11 ms) with win_chance, else 4 ms lost."""
-    from engine.spec_decode.cadence import PlanCadence
+def share_of_steps_planned(win_chance: float, drafted: bool = True, seed: int = 0, plans: int = 4000) -> float:
+    """One draft token a plan (drafted: the plan's, reported with its luck; else a probe's), won (a
+    plain step of 11 ms) with win_chance, else 4 ms lost."""
+    from engine.spec_decode.cadence import PlanCadence, luck_variance
     cadence, rng, steps = PlanCadence(), random.Random(seed), 0
+    luck = luck_variance([win_chance]) * 0.011 ** 2 if drafted else 0.0
     for _ in range(plans):
         steps += cadence.stride
-        cadence.observe(0.011 if rng.random() < win_chance else 0.0, 0.004, 0.0001)
+        cadence.observe(0.011 if rng.random() < win_chance else 0.0, 0.004, 0.0001, luck)
     return plans / steps
 
 
@@ -874,9 +877,14 @@ def test_cadence_keeps_planning_through_the_noise_of_plans_that_pay():
     """Acceptance 0.5 pays +1.4 ms a plan on average, but runs of rejections take a ten-plan average
     below zero now and then: the cadence must not take those for plans that do not pay (with a bar
     at zero it planned 70% of steps here, a quarter of them for stretches). Plans that lose on
-    average are still made less often."""
+    average are still made less often, and probes' outcomes (exploration, paid from its own budget)
+    are taken at face value."""
+    from engine.spec_decode.cadence import luck_variance
+    # two drafts at 0.9: accepted 0, 1 or 2 with chances 0.1, 0.09 and 0.81
+    assert luck_variance([0.5]) == 0.25 and abs(luck_variance([0.9, 0.81]) - 0.4059) < 1e-9
     assert share_of_steps_planned(0.5) > 0.9
     assert share_of_steps_planned(0.1) < 0.4
+    assert share_of_steps_planned(0.5, drafted=False) < 0.8
 
 
 class CopyDrafts:

@@ -170,6 +170,8 @@ class SpecController:
         self.states: dict[str, RequestSpecState] = {}
         self.last_predicted_time: float | None = None
         self.last_depth = 0   # the longest draft of the last plan (what its predicted time was priced at)
+        self.last_gains: dict[str, list[float]] = {}   # per request the last plan drafted for (probes aside),
+                                                       # the chance of each draft and all before it accepted
         self.last_plain_time = 0.0    # the last plan's step as plain decoding, prompt tokens included
         self.last_plain_token = 0.0   # ... and plain decoding's seconds per output token at its batch
         self._steps = 1               # steps the current plan stands for (the cadence's skipped ones too)
@@ -265,7 +267,7 @@ class SpecController:
     # ---- the plan ------------------------------------------------------------------
     def skip(self) -> None:
         """A step without a plan (see spec_decode/cadence.py): plain decoding, nothing predicted."""
-        self.last_predicted_time, self.last_depth = None, 0
+        self.last_predicted_time, self.last_depth, self.last_gains = None, 0, {}
 
     def plan(self, candidates: list[tuple[str, dict[str, int], dict[str, int]]], num_prefill_tokens: int = 0,
              evidence: dict[str, dict[str, list]] | None = None, steps: int = 1) -> dict[str, Plan]:
@@ -343,6 +345,7 @@ class SpecController:
         plans = {rid: self._finish(rid, caps, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices,
                                    len(candidates)) for rid, caps, _ in candidates}
         first_rows = Counter(methods[rid] for rid in ks if self._is_model(methods[rid]))
+        self.last_gains = {rid: self.gains(rid, plan.method, plan.k) for rid, plan in plans.items() if plan.k}
         probes, probe_time = self._probes([c for c in candidates if not plans[c[0]].k], prices, bool(ks), first_rows,
                                           len(candidates))
         self.last_predicted_time = time + probe_time
