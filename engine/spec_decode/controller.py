@@ -311,11 +311,12 @@ class SpecController:
         # Every draft token of a request costs a target row plus its share of a draft forward, and
         # its first one also the draft model's catch-up; expected gains fall with k. Take tokens best
         # first while goodput rises.
-        increments = []
+        increments, gains = [], {}
         for rid, caps, lag in candidates:
             if methods[rid] is not None:
                 row, first = self._prices(methods[rid], lag, model_rows[methods[rid]], per_token)
-                increments += _ironed(rid, self.gains(rid, methods[rid], caps[methods[rid]]), row, first)
+                gains[rid] = self.gains(rid, methods[rid], caps[methods[rid]])
+                increments += _ironed(rid, gains[rid], row, first)
         increments.sort(key=lambda item: (-item[0], item[3]))
         expected, time = float(len(candidates)), start_time
         taken: dict[str, list[tuple[float, float]]] = {}
@@ -345,7 +346,7 @@ class SpecController:
         plans = {rid: self._finish(rid, caps, methods[rid], ks.get(rid, 0), bars.get(rid, 0.0), prices,
                                    len(candidates)) for rid, caps, _ in candidates}
         first_rows = Counter(methods[rid] for rid in ks if self._is_model(methods[rid]))
-        self.last_gains = {rid: self.gains(rid, plan.method, plan.k) for rid, plan in plans.items() if plan.k}
+        self.last_gains = {rid: gains[rid][:plan.k] for rid, plan in plans.items() if plan.k}
         probes, probe_time = self._probes([c for c in candidates if not plans[c[0]].k], prices, bool(ks), first_rows,
                                           len(candidates))
         self.last_predicted_time = time + probe_time
