@@ -5,7 +5,9 @@ probe, its steady acceptance memory (the short one alone, no shift detector), th
 predicted drafting-step times by what whole steps measured, or the pooled prior (the engine-wide
 rate always worth 4 judged tokens, however alike finished requests were), long exploration
 (idle requests draw optimistic rates only until they judged 4 tokens, not 16), or shared probes
-(every probe priced and charged as if alone in its pass, at most one per eight requests a step).
+(every probe priced and charged as if alone in its pass, at most one per eight requests a step), or
+sampled looks (every new request takes its free first look, even where the traffic's acceptance
+rules drafting out).
 Throughput as a ratio to plain decoding, over --repeats lock-step runs (each with its own prompts)
 after an untimed one; under it, what each adaptive engine chose (bench_spec.ChoiceLog).
 
@@ -28,7 +30,7 @@ from engine import LLM  # noqa: E402
 
 
 VARIANTS = ("no hurdle", "no exploration", "no first look", "short memory", "no step bias", "fixed prior",
-            "short exploration", "lone probes")
+            "short exploration", "lone probes", "every look")
 
 
 def switch_off(engine, variant: str) -> None:
@@ -49,6 +51,8 @@ def switch_off(engine, variant: str) -> None:
         engine.controller.pool_evidence = False
     elif variant == "lone probes":   # every probe priced and charged as if alone in its pass, one per 8 requests
         engine.controller.share_probes = False
+    elif variant == "every look":   # every new request looks, even where its proposers are ruled out
+        engine.controller.sample_looks = False
     elif variant != "adaptive":
         raise SystemExit(f"unknown variant {variant!r}: adaptive or one of {', '.join(VARIANTS)}")
 

@@ -50,11 +50,13 @@ def plan_k(controller: SpecController, batch: int, methods=("draft",)) -> list[t
 
 
 def test_low_acceptance_plans_no_drafts():
-    for batch in (1, 4, 16):
+    # At batch 16 a draft token costs a third of a plain token: acceptance 0.05 rules that out, and
+    # one new request looks for all; at batch 4 (a tenth) each looks.
+    for batch, looks in ((1, 1), (4, 4), (16, 1)):
         controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005)), {"draft": 0.05})
         assert set(plan_k(controller, batch)) == {("none", 0)}
         # only probes draft: new requests' free first looks, one token each, all in one verification pass
-        assert len(plan_k.probes) == batch and {p.k for p in plan_k.probes} == {1}
+        assert len(plan_k.probes) == looks and {p.k for p in plan_k.probes} == {1}
         assert set(plan_k(controller, batch)) == {("none", 0)} and not plan_k.probes   # looked: no credit yet
 
 
@@ -839,8 +841,30 @@ def test_a_first_look_is_priced_in_the_requests_own_tokens():
     for lag, size, free in ((300, 1, True), (300, 16, False), (10, 16, True)):
         requests = [(f"r{i}", {"draft": MAX_K}, {"draft": lag}) for i in range(size)]
         controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.0})
+        controller.sample_looks = False   # every look priced (one look for all: the next test)
         plans = controller.plan(requests)
         assert all(bool(plan.probe) == free for plan in plans.values()), (lag, size, plans)
+
+
+
+def test_one_look_speaks_for_new_requests_where_drafting_is_ruled_out():
+    """Where the traffic's rate rules out any rate at which a draft token pays (acceptance 0 at
+    batch 16 here), one new request looks and the others' looks are dropped; the next wave again
+    sends one. Where a draft token could still pay for a new request (batch 4 at 0.3; the plan
+    drafts there for none), every one looks; and with sampling off, all 16 look."""
+    model = costs(0.0005)
+    for alpha, size, sample, looks in ((0.0, 16, True, 1), (0.0, 16, False, 16), (0.3, 4, True, 4)):
+        controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": alpha})
+        controller.hurdle = 10.0   # no drafting plans: the looks are the subject
+        controller.sample_looks = sample
+        wave = [(f"r{i}", {"draft": MAX_K}, {"draft": 0}) for i in range(size)]
+        plans = controller.plan(wave)
+        assert sum(p.probe for p in plans.values()) == looks, (alpha, size, sample)
+        assert not any(state.look_due for state in controller.states.values())   # none left for later
+        assert not any(p.probe for p in controller.plan(wave).values())
+        second = [(f"s{i}", {"draft": MAX_K}, {"draft": 0}) for i in range(size)]
+        plans = controller.plan(wave + second)
+        assert sum(plans[rid].probe for rid, _, _ in second) == looks
 
 
 # ---- the plan's cadence ------------------------------------------------------------------------

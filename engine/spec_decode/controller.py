@@ -48,7 +48,12 @@ The goal is the batch's goodput, expected output tokens per second of the step:
   FIRST_LOOK_TOKENS of the request's own plain tokens: then it is a paid probe like the others.
   Deferring it while the engine-wide prior was strong left a stale prior unchallenged: after
   low-acceptance traffic, an engine facing alpha 0.7 at batch 4 never drafted, its requests'
-  catch-up making every paid probe too dear.
+  catch-up making every paid probe too dear. But where the traffic's rate rules out, for a new
+  request, any rate at which a draft token pays (the RULED_OUT test below), one look per plan
+  speaks for all new requests: it keeps the engine-wide rate checked (a return of acceptance moves
+  it, and the plan then drafts on that prior), where the others' looks would only confirm it. At
+  batch 16, where no draft pays on the dev CPU, every new request's look cost a verification pass
+  and the draft model's catch-up on 16 prompts: ~95 ms a wave, 3-4% of plain decoding (one: ~5 ms).
 - Estimates from a few judged tokens can be unluckily low, and a request that stops drafting stops
   learning. So a request that planned no drafts last step, and has judged fewer than EXPLORE_JUDGED
   tokens of its own, explores as a bandit does (optimistic Thompson sampling): the plan uses a
@@ -178,12 +183,15 @@ class SpecController:
         self.explore = explore
         self.hurdle = HURDLE
         self.first_look = True   # a new request's first probe is free (the ablation switches it off)
+        self.sample_looks = True   # False: every new request looks, even where drafting is ruled out (the
+                                   # ablation's "every look")
         self.share_probes = True   # False: every probe priced and charged as if alone in its pass (the ablation's
                                    # "lone probes")
         self.steady_decay: float | None = STEADY_DECAY   # None: the short memory alone, no shift detector
         self._rng = random.Random(seed)      # exploration draws (they choose k, never tokens)
         self._rates: dict[tuple[str, str], float] = {}   # this plan's acceptance per (request, method)
         self._drawn: set[tuple[str, str]] = set()          # ... of those, the exploration draws
+        self._watched: set[str] = set()   # this plan's idle requests worth watching (_worth_watching)
         self.explore_judged = EXPLORE_JUDGED
 
     # ---- estimates ---------------------------------------------------------------
@@ -284,7 +292,7 @@ class SpecController:
                 len(candidates) + num_prefill_tokens, {rid: p.k for rid, p in plans.items() if p.k},
                 {rid: p.method for rid, p in plans.items()}, {rid: lag for rid, _, lag in candidates})
             return plans
-        self._rates, self._drawn = {}, set()
+        self._rates, self._drawn, self._watched = {}, set(), set()
         base_tokens = len(candidates) + num_prefill_tokens
         plain_time = self.costs.step_time(base_tokens)
         # Prompt tokens in the pass cost the same whatever is drafted, and yield no output token: a
@@ -437,6 +445,8 @@ class SpecController:
         state.idle = k == 0
         if k == 0:
             watched = self._worth_watching(rid, state, caps, prices, batch)
+            if watched:
+                self._watched.add(rid)
             share = EXPLORATION * (1.0 if watched else UNDRAFTED_EXPLORATION)
             _add_credit(state, share * prices.plain_token * self._steps, prices.plain_token)
             return NO_PLAN
@@ -485,6 +495,7 @@ class SpecController:
                 method = max(usable, key=rates.get)
                 order.append((rid, lag, method, rates[method]))
         verifies, jump = self._pooled_opening(order, prices, verifies, first_rows)
+        sampled, spared = False, set()   # a look taken for requests ruled out; the looks it stood for
         # Two passes: a request that could not afford to open a pass may join one opened after its
         # turn (by a poorer request's free first look, or one whose catch-up is cheaper).
         for _ in range(2):
@@ -495,6 +506,11 @@ class SpecController:
                     continue
                 price = self._probe_price(method, lag, prices, not alone, 0 if alone else first_rows[method])
                 look = state.look_due and self.first_look and self._cheap_look(method, lag, price, prices, batch)
+                if look and self.sample_looks and rid not in self._watched:   # it can teach only what the traffic accepts
+                    look = not sampled
+                    sampled = True
+                    if not look:
+                        spared.add(rid)
                 if not look and state.credit < price - rate * prices.plain_token:
                     continue
                 openers -= alone
@@ -505,6 +521,8 @@ class SpecController:
                 if not look:
                     paid[rid] = price
                 plans[rid], seconds = Plan(method, 1, 0.0, probe=True), seconds + price
+        for rid in spared - plans.keys():   # the sampled look spoke for them
+            self.states[rid].look_due = False
         # The paying probers share the pass's cost: a joiner charged only its row would bank the
         # plain time of every token it wins, grow rich enough to open passes of its own, and turn
         # probing into drafting at acceptance where drafting loses (alpha 0.3, batch 4: 64% of rows
