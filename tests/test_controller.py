@@ -51,7 +51,7 @@ def plan_k(controller: SpecController, batch: int, methods=("draft",)) -> list[t
 
 def test_low_acceptance_plans_no_drafts():
     # At batch 16 a draft token costs a third of a plain token: acceptance 0.05 rules that out, and
-    # one new request looks for all; at batch 4 (a tenth) each looks.
+    # one new request looks for all; at batch 4 (a fifth) each looks.
     for batch, looks in ((1, 1), (4, 4), (16, 1)):
         controller = with_history(SpecController(["draft"], MAX_K, costs(0.0005)), {"draft": 0.05})
         assert set(plan_k(controller, batch)) == {("none", 0)}
@@ -844,7 +844,6 @@ def test_a_first_look_is_priced_in_the_requests_own_tokens():
         controller.sample_looks = False   # every look priced (one look for all: the next test)
         plans = controller.plan(requests)
         assert all(bool(plan.probe) == free for plan in plans.values()), (lag, size, plans)
-
 
 
 def test_one_look_speaks_for_new_requests_where_drafting_is_ruled_out():
