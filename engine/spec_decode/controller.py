@@ -508,7 +508,8 @@ class SpecController:
                     continue
                 price = self._probe_price(method, lag, prices, not alone, 0 if alone else first_rows[method])
                 look = state.look_due and self.first_look and self._cheap_look(method, lag, price, prices, batch)
-                if look and self.sample_looks and rid not in self._watched:   # it can teach only what the traffic accepts
+                # A request ruled out can teach only what the traffic accepts: one such look is enough.
+                if look and self.sample_looks and rid not in self._watched:
                     look = not sampled
                     sampled = True
                     if not look:
