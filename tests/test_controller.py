@@ -710,6 +710,30 @@ def test_the_shift_detector_fires_on_a_shift_and_not_on_chance():
         assert 1 <= judged <= token and abs(accepted / judged - after) < 0.35
 
 
+def test_the_engine_wide_rate_asks_more_of_a_fall():
+    """The engine-wide rate judges the whole batch's tokens, so its watcher asks more of a fall
+    (GLOBAL_FALL_LLR): over 20,000 judged tokens at a steady 0.9 it calls fewer false falls than a
+    request's watcher, still follows a real fall from 0.9 to 0.1 within 8 tokens, and a rise from
+    0.2 to 0.9 as soon as a request's watcher does."""
+    from engine.spec_decode.estimates import GLOBAL_FALL_LLR, ShiftDetector
+    def false_falls(detector: ShiftDetector) -> int:
+        rng, alarms = random.Random(7), 0
+        for _ in range(20_000):
+            accepted = int(rng.random() < 0.9)
+            since = detector.observe(0.9, accepted, 1)
+            alarms += since is not None and since[1] < 0.9 * since[0]
+        return alarms
+    request, engine_wide = false_falls(ShiftDetector()), false_falls(ShiftDetector(GLOBAL_FALL_LLR))
+    assert engine_wide <= 2 and request >= 5 * max(engine_wide, 1), (request, engine_wide)
+    rng = random.Random(8)
+    for before, after, within in ((0.9, 0.1, 8), (0.2, 0.9, 9)):
+        detector = ShiftDetector(GLOBAL_FALL_LLR)
+        for token in range(1, 100):
+            if detector.observe(before, int(rng.random() < after), 1) is not None:
+                break
+        assert token <= within, (before, after, token)
+
+
 def test_drafting_steps_that_run_over_their_prediction_draft_less():
     """Drafting steps measured 30% over the parts' prediction (work none of the parts times): the
     cost model learns the excess, and a plan that paid by a little on paper stops; plain steps are

@@ -78,9 +78,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine.spec_decode.estimates import (GLOBAL_DECAY, MAX_POSITION_RATE, PRIOR_WEIGHT, REQUEST_DECAY, STEADY_DECAY,
-                                          CalibrationRatio, DecayedCounts, PositionCalibration, PriorStrength,
-                                          judged_tokens, unlike)
+from engine.spec_decode.estimates import (GLOBAL_DECAY, GLOBAL_FALL_LLR, MAX_POSITION_RATE, PRIOR_WEIGHT,
+                                          REQUEST_DECAY, STEADY_DECAY, CalibrationRatio, DecayedCounts,
+                                          PositionCalibration, PriorStrength, judged_tokens, unlike)
 from engine.step_timer import StepCostModel
 
 EXPLORE_JUDGED = 16.0     # an idle request explores (optimistic posterior draws) until it judged this many
@@ -166,7 +166,8 @@ class SpecController:
         # The engine-wide rate is watched for shifts too: when traffic turns from one acceptance to
         # another across requests, its ~140-token memory held new requests to the old rate (under a
         # strong pooled prior) for most of a 64-token request.
-        self.global_counts = {m: DecayedCounts(GLOBAL_DECAY, watch=True) for m in self.methods}
+        self.global_counts = {m: DecayedCounts(GLOBAL_DECAY, watch=True, fall_llr=GLOBAL_FALL_LLR)
+                              for m in self.methods}
         self.calibration = PositionCalibration()   # per evidence key, for proposers that report one per draft
         self.use_evidence = True   # False: those proposers are planned on one rate too (the ablation's "one rate")
         self._keys: dict[str, dict[str, list]] = {}   # this plan's evidence keys: request -> method -> per position

@@ -18,6 +18,7 @@ REQUEST_DECAY = 0.93      # per judged draft token: a short memory, ~14 tokens (
 STEADY_DECAY = 0.99       # a request's memory, ~100 tokens (half-life ~70), restarted on a shift
 SHIFT_RATIO = 0.5         # the shift detector looks for the rejection rate (up) or the acceptance rate (down) halved
 SHIFT_LLR = math.log(300) # log-likelihood ratio that makes a shift (a fall from 0.9 to 0.1: ~4 rejections)
+GLOBAL_FALL_LLR = math.log(1e4)   # ... a fall in the engine-wide rate (ShiftDetector: why it asks for more)
 MIN_JUDGED_FOR_SHIFTS = 4.0   # judged tokens before the memory's rate is worth testing against
 GLOBAL_DECAY = 0.995      # per judged draft token (of any request): the engine-wide rate, half-life ~140
 
@@ -36,9 +37,21 @@ class ShiftDetector:
     rejections after a fall. At a steady rate both scores drift down: false alarms come about once
     in 1,500 judged tokens, and cost a few steps of a wrong draft length (a tighter threshold,
     log(100), fired three times as often, and each restart from a short, extreme segment set off
-    the next)."""
+    the next).
 
-    def __init__(self):
+    The engine-wide rate asks more of a fall, `fall_llr` = GLOBAL_FALL_LLR: it judges the whole
+    batch's tokens, so at one false alarm per ~1,100 tokens (log(300), simulated) it fired about
+    once a cell at batch 4, alpha 0.9 (~10 judged tokens a step), and a false fall restarted every
+    new request's prior from an unlucky window (17 tokens, 9 accepted: a prior of 0.53 where the
+    traffic accepted 0.9, and a wave drafted 1 deep instead of 2). log(1e4) alarms ~50 times less
+    often and follows a real fall from 0.9 to 0.1 ~3 judged tokens later, which a plan drafting
+    on the old rate judges within a step. A rise keeps SHIFT_LLR: after a fall only probes judge
+    tokens, and with the rise test at log(1e4) too, an engine carried from alpha 0.3 into 0.7 kept
+    a prior of 0.24 through the whole 0.7 cell (0.78-0.85 of the static gamma 2). A false rise
+    costs less: the plan drafts deeper and judges enough tokens to correct it within a few steps."""
+
+    def __init__(self, fall_llr: float = SHIFT_LLR):
+        self.thresholds = {"up": SHIFT_LLR, "down": fall_llr}
         self.reset()
 
     def reset(self) -> None:
@@ -56,7 +69,7 @@ class ShiftDetector:
                 segment = self.segments[side]
                 segment[:] = [segment[0] + 1, segment[1] + x] if self.scores[side] > 0 else [0, 0]
         for side, score in self.scores.items():
-            if score > SHIFT_LLR:
+            if score > self.thresholds[side]:
                 judged_since, accepted_since = self.segments[side]
                 self.reset()
                 return judged_since, accepted_since
@@ -76,11 +89,11 @@ class DecayedCounts:
     long (a memory of ~14 tokens errs by +-0.06 at 0.9: the plan drafted 4-5 where 8 paid); the
     detector lets a long memory still follow a shift within a few steps."""
 
-    def __init__(self, decay: float, watch: bool = False):
+    def __init__(self, decay: float, watch: bool = False, fall_llr: float = SHIFT_LLR):
         self.decay = decay
         self.judged = 0.0
         self.accepted = 0.0
-        self.shifts = ShiftDetector() if watch else None
+        self.shifts = ShiftDetector(fall_llr) if watch else None
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         judged = judged_tokens(num_drafted, num_accepted)
