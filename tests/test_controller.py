@@ -217,6 +217,21 @@ def test_the_prior_weighs_as_much_as_requests_are_alike():
     assert alike.prior_weight("draft") > PRIOR_WEIGHT and unlike.prior_weight("draft") == PRIOR_WEIGHT
 
 
+def test_the_prior_stays_strong_when_the_traffic_moves_together():
+    """Requests that all accept at one rate, and later all at another, are alike at every moment:
+    the spread between requests that finished one after the other is binomial noise, so the prior
+    (whose mean is the recent engine-wide rate) keeps many pseudo-tokens. Around the mean of every
+    request remembered, the move read as requests that differ (2-4 pseudo-tokens, measured on the
+    batch-4 row). Requests of two kinds interleaved still differ."""
+    from engine.spec_decode.estimates import MAX_PRIOR_WEIGHT
+    moved = SpecController(["draft"], MAX_K, costs(0.0005))
+    finished_requests(moved, [0.7] * 20 + [0.9] * 20, judged=60)
+    assert moved.prior_weight("draft") >= 0.75 * MAX_PRIOR_WEIGHT
+    mixed = SpecController(["draft"], MAX_K, costs(0.0005))
+    finished_requests(mixed, [0.7, 0.9] * 20, judged=60)
+    assert mixed.prior_weight("draft") <= 0.5 * MAX_PRIOR_WEIGHT
+
+
 def test_live_requests_count_towards_the_prior_strength():
     """A young engine: four requests finished, four live ones judged 30 tokens each. When all accept
     at 0.7, the live ones' totals make the pooled rate worth many pseudo-tokens already; when they

@@ -175,50 +175,66 @@ class PriorStrength:
     many pseudo-tokens (up to MAX_PRIOR_WEIGHT): a request that met 3 rejections in its first 5
     drafts is then still planned near the population's rate instead of turning drafting off. If
     requests differ (code against chat under n-gram drafting), the spread is wider than the noise
-    and the prior weighs little. With a mean rate mu, the observed rates' variance is
-    mu (1 - mu) (E[1/n] + rho (1 - E[1/n])), rho = 1 / (m + 1), m the prior's weight in tokens.
-    Finished requests are forgotten geometrically, so the estimate follows the traffic. Live
-    requests' totals so far count beside them: until MIN_FINISHED requests had finished, a young
-    engine held every request to PRIOR_WEIGHT, and at alpha 0.9, batch 4, a wave whose own first
-    tokens read 0.63-0.84 drafted 2 deep for 20 steps where the next wave, pooled, drafted 6-7."""
+    and the prior weighs little. With a mean rate mu, an observed rate varies by
+    mu (1 - mu) (1/n + rho (1 - 1/n)), rho = 1 / (m + 1), m the prior's weight in tokens.
+
+    The spread is measured between requests that finished one after the other (half the squared
+    difference of their rates, the mean of successive differences), each pair's noise at the pair's
+    mean rate: the prior's mean is the engine-wide rate of the last ~140 judged tokens, a mean local
+    in time, and so must its spread be. Measured around the mean of every request remembered, a
+    change in the traffic read as requests that differ: an engine carried through acceptance 0, 0.3,
+    0.5 and 0.7 into 0.9 held requests that all accepted at 0.9 to 2-4 pseudo-tokens, and early
+    lucky tokens drew plans 6-8 deep (57-71 ms steps where 2 deep took 31). Pairs are forgotten
+    geometrically. Live requests' totals so far pair on after the finished ones: until MIN_FINISHED
+    requests had finished, a young engine held every request to PRIOR_WEIGHT, and at alpha 0.9,
+    batch 4, a wave whose own first tokens read 0.63-0.84 drafted 2 deep for 20 steps where the
+    next wave, pooled, drafted 6-7."""
 
     def __init__(self, decay: float = 0.98):
         self.decay = decay
         self.count = 0
-        self.sums = [0.0, 0.0, 0.0, 0.0]   # decayed sums of 1, r, r^2, 1/n over finished requests
+        self.last: tuple[float, int] | None = None   # the last finished request's (rate, judged)
+        self.sums = [0.0, 0.0, 0.0]   # decayed sums over successive pairs (_pair_terms)
 
     def observe(self, judged: int, accepted: int) -> None:
         """A finished request's totals."""
         if judged < 2:
             return   # one judged token is no rate
         self.count += 1
-        self.sums = [self.decay * s + x for s, x in zip(self.sums, self._terms(judged, accepted))]
-
-    @staticmethod
-    def _terms(judged: int, accepted: int) -> tuple[float, float, float, float]:
-        rate = accepted / judged
-        return 1.0, rate, rate * rate, 1.0 / judged
+        current = (accepted / judged, judged)
+        if self.last is not None:
+            self.sums = [self.decay * s + x for s, x in zip(self.sums, _pair_terms(self.last, current))]
+        self.last = current
 
     def weight(self, live: Iterable[tuple[int, int]] = ()) -> float:
         """Pseudo-tokens of the engine-wide rate, from the finished requests and the live ones'
         (judged, accepted) totals so far."""
-        count, sums = self.count, list(self.sums)
+        count, sums, last = self.count, list(self.sums), self.last
         for judged, accepted in live:
             if judged >= 2:
                 count += 1
-                sums = [s + x for s, x in zip(sums, self._terms(judged, accepted))]
-        if count < MIN_FINISHED:
+                current = (accepted / judged, judged)
+                if last is not None:
+                    sums = [s + x for s, x in zip(sums, _pair_terms(last, current))]
+                last = current
+        spread, noise, signal = sums
+        if count < MIN_FINISHED or signal < 1e-9:
             return PRIOR_WEIGHT
-        total, first, second, inverse = sums
-        mean, inverse = first / total, inverse / total
-        spread = max(second / total - mean * mean, 0.0)
-        binomial = mean * (1.0 - mean)
-        if binomial < 1e-6 or inverse >= 1.0:
-            return PRIOR_WEIGHT
-        rho = (spread / binomial - inverse) / (1.0 - inverse)
+        rho = (spread - noise) / signal
         if rho <= 1.0 / (MAX_PRIOR_WEIGHT + 1.0):
             return MAX_PRIOR_WEIGHT
         return min(max(1.0 / rho - 1.0, 1.0), MAX_PRIOR_WEIGHT)
+
+
+def _pair_terms(first: tuple[float, int], second: tuple[float, int]) -> tuple[float, float, float]:
+    """Two successive requests' (rate, judged): half their rates' squared difference, whose
+    expectation is b (u + rho (1 - u)) with b the binomial variance at their mean rate and u the
+    mean of 1/judged; and the terms b u (the noise) and b (1 - u) (what rho scales)."""
+    (rate1, judged1), (rate2, judged2) = first, second
+    mean = (rate1 + rate2) / 2.0
+    binomial = mean * (1.0 - mean)
+    inverse = (1.0 / judged1 + 1.0 / judged2) / 2.0
+    return (rate1 - rate2) ** 2 / 2.0, binomial * inverse, binomial * (1.0 - inverse)
 
 
 KEY_PRIOR = 2.0        # pseudo-tokens of the proposer's engine-wide rate behind an evidence key's own rate
