@@ -749,6 +749,24 @@ def test_the_engine_wide_rate_asks_more_of_a_fall():
         assert token <= within, (before, after, token)
 
 
+def test_a_deeper_draft_is_never_predicted_to_scale_less():
+    """Each depth's scale is learned alone: a few slow steps at depth 2 (1.08) beside depths 3 and
+    4 that ran fast (1.01, 0.95) priced a third draft at 5 ms against 11 for the second, and plans
+    jumped past depth 2. Pooled to be non-decreasing in depth, the third draft costs at least its
+    parts again; a depth without evidence is held between its neighbours."""
+    from collections import Counter
+    model = costs(0.002, draft_forward=0.004)
+    model.depth_bias, model.depth_steps = {1: 1.0, 2: 1.08, 3: 1.01, 4: 0.95}, Counter({1: 40, 2: 10, 3: 10, 4: 10})
+    scales = [model.bias(depth) for depth in range(1, MAX_K + 1)]
+    assert scales == sorted(scales) and scales[1] == pytest.approx((1.08 * 1.01 * 0.95) ** (1 / 3), rel=1e-6)
+    step = [model.step_time(4 * (1 + k), {"draft": [4] * k}, True, None, 4, 4, k) for k in range(1, 5)]
+    unscaled = [s / model.bias(k) for k, s in zip(range(1, 5), step)]
+    assert all(b - a >= 0.99 * (ub - ua) for a, b, ua, ub in zip(step, step[1:], unscaled, unscaled[1:]))
+    model.depth_bias, model.depth_steps = {2: 1.0, 6: 1.2}, Counter({2: 10, 6: 10})
+    model.drafting_bias = 1.3
+    assert model.bias(1) == 1.0 and model.bias(4) == 1.2 and model.bias(8) == 1.3
+
+
 def test_drafting_steps_that_run_over_their_prediction_draft_less():
     """Drafting steps measured 30% over the parts' prediction (work none of the parts times): the
     cost model learns the excess, and a plan that paid by a little on paper stops; plain steps are
