@@ -256,7 +256,8 @@ class StepCostModel:
         shrinks, so neither may the scale."""
         blocks: list[tuple[float, float, list[int]]] = []   # (mean log scale, weight, depths) per pooled run
         for depth in sorted(d for d in self.depth_bias if self.depth_steps[d] >= DEPTH_EVIDENCE):
-            blocks.append((math.log(self.depth_bias[depth]), float(min(self.depth_steps[depth], DEPTH_MEMORY)), [depth]))
+            weight = float(min(self.depth_steps[depth], DEPTH_MEMORY))
+            blocks.append((math.log(self.depth_bias[depth]), weight, [depth]))
             while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
                 (high, w1, d1), (low, w2, d2) = blocks[-2:]
                 blocks[-2:] = [((high * w1 + low * w2) / (w1 + w2), w1 + w2, d1 + d2)]
