@@ -201,22 +201,26 @@ class PriorStrength:
         if judged < 2:
             return   # one judged token is no rate
         self.count += 1
+        self.sums, self.last = self._paired(self.sums, self.last, judged, accepted, self.decay)
+
+    @staticmethod
+    def _paired(sums: list[float], last: tuple[float, int] | None, judged: int, accepted: int,
+                decay: float = 1.0) -> tuple[list[float], tuple[float, int]]:
+        """The sums (earlier pairs forgotten by decay) and the last request after one more
+        request's totals joined the sequence."""
         current = (accepted / judged, judged)
-        if self.last is not None:
-            self.sums = [self.decay * s + x for s, x in zip(self.sums, _pair_terms(self.last, current))]
-        self.last = current
+        if last is not None:
+            sums = [decay * s + x for s, x in zip(sums, _pair_terms(last, current))]
+        return sums, current
 
     def weight(self, live: Iterable[tuple[int, int]] = ()) -> float:
         """Pseudo-tokens of the engine-wide rate, from the finished requests and the live ones'
         (judged, accepted) totals so far."""
-        count, sums, last = self.count, list(self.sums), self.last
+        count, sums, last = self.count, self.sums, self.last   # _paired builds new sums: no copy needed
         for judged, accepted in live:
             if judged >= 2:
                 count += 1
-                current = (accepted / judged, judged)
-                if last is not None:
-                    sums = [s + x for s, x in zip(sums, _pair_terms(last, current))]
-                last = current
+                sums, last = self._paired(sums, last, judged, accepted)
         spread, noise, signal = sums
         if count < MIN_FINISHED or signal < 1e-9:
             return PRIOR_WEIGHT
