@@ -12,8 +12,6 @@ import math
 from collections import Counter
 
 DEPTH_EVIDENCE = 5   # drafting steps of one depth before that depth's own scale is used
-DEPTH_MEMORY = 10    # steps a depth's scale remembers (its moving average's weight is 1/10): its weight when
-                     # depth scales are pooled
 STALE_STEPS = 8      # decode steps without a drafting step after which the drafting scales count as stale,
 BIAS_RELAX = 0.03    # ... and move this share (in log space) back towards 1.0 per further such step
 PACE_SMOOTHING = 0.1   # per plain decode pass: the machine's pace follows a change within ~10 steps
@@ -254,9 +252,10 @@ class StepCostModel:
         were predicted at 38 ms and 3 at 43, the third draft looked nearly free, and at alpha 0.7 the
         plan drafted 3 deep where 1-2 paid. Work that none of the parts time grows with k; it never
         shrinks, so neither may the scale."""
+        memory = 2.0 / self.smoothing   # steps a depth's scale remembers (_toward moves it by smoothing / 2)
         blocks: list[tuple[float, float, list[int]]] = []   # (mean log scale, weight, depths) per pooled run
         for depth in sorted(d for d in self.depth_bias if self.depth_steps[d] >= DEPTH_EVIDENCE):
-            weight = float(min(self.depth_steps[depth], DEPTH_MEMORY))
+            weight = min(float(self.depth_steps[depth]), memory)
             blocks.append((math.log(self.depth_bias[depth]), weight, [depth]))
             while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
                 (high, w1, d1), (low, w2, d2) = blocks[-2:]
