@@ -665,6 +665,33 @@ def test_no_lone_deep_draft_positions():
     assert goodput(ks) >= goodput(shallower)
 
 
+def test_the_plan_takes_the_best_depth_when_goodput_has_two_peaks():
+    """A verification pass's cost per token can fall past some size, so goodput over depth may
+    peak twice: here one draft each (8 tokens in the pass, at 15 ms) beats eight each (36 tokens) by
+    14%, with the depths between dearer than both. The plan must find the better peak, not stop at
+    the deeper one on the way down."""
+    model = StepCostModel()
+    for tokens, ms in {1: 10, 2: 11, 4: 14, 8: 15, 16: 48, 32: 62, 64: 82}.items():
+        model.calibrate_verify(4, tokens, ms / 1e3)
+    for rows in (1, 4, 16, 64):
+        model.draft.calibrate(rows, 0.001)
+    controller = with_history(SpecController(["draft"], MAX_K, model, explore=False), {"draft": 0.9})
+    rids = [f"r{i}" for i in range(4)]
+    for rid in rids:
+        counts = DecayedCounts(GLOBAL_DECAY)
+        counts.observe(40, 36)
+        controller.states[rid] = RequestSpecState(counts={"draft": counts})
+    plans = controller.plan([(rid, {"draft": MAX_K}, {"draft": 0}) for rid in rids])
+    methods, lags = {rid: "draft" for rid in rids}, {rid: {"draft": 0} for rid in rids}
+    def goodput(depth):
+        plan = {rid: depth for rid in rids}
+        gain = sum(sum(controller.gains(rid, "draft", depth)) for rid in rids)
+        return (len(rids) + gain) / controller.predicted_time(len(rids), plan, methods, lags)
+    best = max(range(1, MAX_K + 1), key=goodput)
+    assert goodput(MAX_K) > goodput(MAX_K - 1) and goodput(best) > 1.1 * goodput(MAX_K)   # two peaks
+    assert {p.k for p in plans.values()} == {best}
+
+
 def test_the_steady_memory_is_steadier_and_still_follows_a_shift():
     """At a fixed acceptance of 0.85 the estimate from the watched ~100-token memory usually strays
     about half as far as a ~14-token memory's (median error: a rare false alarm restarts it from a
