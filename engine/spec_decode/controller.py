@@ -391,10 +391,10 @@ class SpecController:
         best = None   # (goodput, depth, expected tokens, time)
         for depth in range(max(ks.values()), 0, -1):
             capped = {rid: min(k, depth) for rid, k in ks.items()}
-            gain = expected - sum(gain for tokens in taken.values() for gain, _ in tokens[depth:])
+            kept = expected - sum(gain for tokens in taken.values() for gain, _ in tokens[depth:])
             time = max(self.predicted_time(base_tokens, capped, methods, lags) - offset, 1e-9)
-            if best is None or gain / time >= best[0]:
-                best = (gain / time, depth, gain, time)
+            if best is None or kept / time >= best[0]:
+                best = (kept / time, depth, kept, time)
         _, depth, expected, time = best
         for tokens in taken.values():
             del tokens[depth:]
