@@ -1,4 +1,4 @@
-"""Speculative decoding at controlled acceptance: static gamma against the adaptive controller.
+"""Speculative decoding at controlled acceptance: static gamma against the adaptive policy.
 
 For a random ~270M target, an "oracle" proposer replays the target's own greedy continuation,
 each token corrupted with probability 1 - alpha, so acceptance is alpha by construction; a small
@@ -9,10 +9,10 @@ from one run:
    ((1 - alpha)(gamma c + v)), with c the draft/target step cost and v the cost of a verification
    pass (measured);
 2. the oracle sweep: alpha in {0, 0.3, 0.5, 0.7, 0.9} x batch in {1, 4, 16}: throughput of plain
-   decoding, static gamma in {1, 2, 4, 8} and the adaptive controller, each as a ratio to plain, and
+   decoding, static gamma in {1, 2, 4, 8} and the adaptive policy, each as a ratio to plain, and
    adaptive / best static;
 3. the workload shift: one stream whose acceptance drops from 0.9 to 0.1 halfway and comes back:
-   the controller's draft length step by step, and how many steps it took to turn down and back up.
+   the policy's draft length step by step, and how many steps it took to turn down and back up.
 
     python bench/bench_spec.py [--dtype auto] [--new-tokens 64] [--alphas 0,0.3,0.5,0.7,0.9] [--batches 1,4,16]
                                [--repeats 3] [--skip theory,sweep,shift]
@@ -44,6 +44,7 @@ from common import SMALL_DRAFT, random_llama, timed  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
 from engine.spec_decode.base import Proposal  # noqa: E402
+from engine.spec_decode.policy import GoodputPolicy  # noqa: E402
 
 STATIC_GAMMAS = (1, 2, 4, 8)
 
@@ -207,7 +208,7 @@ def oracle_cell(llms: dict, continuations: dict, sets: list[list[list[int]]], al
     The untimed run is the steady state's warm-up: an engine's first passes at the cell's shapes
     cost more (the adaptive engine's first batch-16 prefill took 1.1-1.2 s against plain's 0.6-0.7 s,
     6% of the cell), and a server that has run a while knows its step costs and the workload's
-    engine-wide acceptance (the controller's prior for new requests). Each run has its own prompts:
+    engine-wide acceptance (the policy's prior for new requests). Each run has its own prompts:
     the oracle's corruptions are fixed per prompt and position, so repeating one prompt repeats one
     draw of them, and at batch 1 how a static gamma's steps happen to line up with those 13-19
     corrupted positions out of 64 moved it by 10-20% (g=4 made 3.8 tokens per step where alpha 0.8
@@ -227,9 +228,8 @@ def oracle_cell(llms: dict, continuations: dict, sets: list[list[list[int]]], al
 
 
 def is_adaptive(llm: LLM) -> bool:
-    """A speculative engine whose controller plans (plain engines have a controller without proposers)."""
-    controller = llm.engine.controller
-    return bool(controller.methods and controller.adaptive)
+    """A speculative engine whose speculation adapts (the goodput policy, with proposers)."""
+    return bool(llm.engine.proposer.proposers) and isinstance(llm.engine.policy, GoodputPolicy)
 
 
 class ChoiceLog:

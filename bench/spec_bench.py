@@ -136,15 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", default=None,
                    help="compare only these (none, ngram, draft, eagle, suffix, auto; none always); auto:<p>+<p>... "
                         "is auto over only those proposers, e.g. auto:eagle+ngram+suffix")
-    p.add_argument("--one-rate", action="store_true",
-                   help="also run auto planning every proposer on one acceptance rate per request, without "
-                        "the copying proposers' per-draft evidence (auto-one-rate)")
-    p.add_argument("--lone-probes", action="store_true",
-                   help="also run auto with every probe priced and charged as if alone in its pass "
-                        "(auto-lone-probes: the controller before probes shared passes)")
-    p.add_argument("--without-ngram", action="store_true",
-                   help="also run auto never choosing n-gram drafting (auto-without-ngram: suffix drafting also "
-                        "looks up the request's own context)")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -152,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = config.speculative
     questions = load_questions(Path(args.questions), args.per_category)
     categories = sorted({q["category"] for q in questions})
-    # the single methods at a static gamma (what they were before the controller), and auto: the
-    # adaptive controller routing each request and step between all of them
+    # the single methods at a static gamma, and auto: the adaptive policy routing each request and
+    # step between all of them
     methods = method_configs(spec, spec.gamma)
     for name in [m for m in args.methods or [] if m.startswith("auto:")]:
         try:
@@ -169,12 +160,10 @@ def main(argv: list[str] | None = None) -> int:
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}
     sessions = question_sessions(questions)
-    variants = [v for v, on in (("one-rate", args.one_rate), ("lone-probes", args.lone_probes),
-                                ("without-ngram", args.without_ngram)) if on]
     for concurrency in args.concurrency:
         runs: dict[str, Run] = {}
         for round_index in range(args.rounds):   # fresh engines each round: no prefix cache from the last
-            llms = build_engines(config, concurrency, methods, variants, round_index)
+            llms = build_engines(config, concurrency, methods, round_index)
             if concurrency == args.concurrency[0] and round_index == 0:
                 cost = verification_cost(llms["none"], spec.gamma)
                 lines.append(f"dtype {str(llms['none'].engine.dtype).replace('torch.', '')}: verifying "
@@ -200,25 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-AUTO_VARIANTS = {   # auto with one of the controller's mechanisms switched off
-    "one-rate": lambda controller: setattr(controller, "use_evidence", False),
-    "lone-probes": lambda controller: setattr(controller, "share_probes", False),
-    "without-ngram": lambda controller: setattr(controller, "methods", [m for m in controller.methods if m != "ngram"]),
-}
-
-
-def build_engines(config, concurrency: int, methods: dict, variants: list[str], round_index: int) -> dict[str, LLM]:
-    """One engine per method (and per auto variant), created in an order rotated by the round: two
-    identical engines measured up to 2.6% apart at 16 streams by which was created first
-    (placement in memory)."""
-    names = list(methods) + ([f"auto-{v}" for v in variants] if "auto" in methods else [])
+def build_engines(config, concurrency: int, methods: dict, round_index: int) -> dict[str, LLM]:
+    """One engine per method, created in an order rotated by the round: two identical engines
+    measured up to 2.6% apart at 16 streams by which was created first (placement in memory)."""
+    names = list(methods)
     shift = round_index % len(names)
-    llms = {}
-    for name in names[shift:] + names[:shift]:
-        variant = name.removeprefix("auto-") if name.startswith("auto-") else None
-        llms[name] = warm_engine(config, concurrency, methods["auto" if variant else name])
-        if variant:
-            AUTO_VARIANTS[variant](llms[name].engine.controller)
+    llms = {name: warm_engine(config, concurrency, methods[name]) for name in names[shift:] + names[:shift]}
     return {name: llms[name] for name in names}
 
 

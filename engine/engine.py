@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +18,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
 from engine.spec_decode.base import Proposal
-from engine.spec_decode.cadence import PlanCadence, luck_variance
+from engine.spec_decode.policy import Candidate, StepOutcome, StepPlan, StepView, Verified
+from engine.step_costs import PassTiming
 from engine.verify import VerifyResult, verify
 
 logger = logging.getLogger("specserve.engine")
@@ -37,17 +39,26 @@ DEVICE_ERROR_MARKS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-sid
                       "NCCL error", "HIP error")
 
 
+@dataclass(frozen=True)
+class EngineStatus:
+    """The engine's state between steps, for the server's health checks and gauges."""
+    num_requests: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    kv_cache_usage: float
+    num_steps: int                  # steps that ran a pass so far: a new step shows as a new count
+    last_stats: StepStats | None    # the newest of them
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         parts: EngineParts = build_engine_parts(config)
         self.device, self.dtype, self.quantization = parts.device, parts.dtype, parts.quantization
         self.target, self.proposer = parts.target, parts.proposer   # proposer: the Router over every proposer
-        self.controller, self.costs = parts.controller, parts.costs
-        # Static speculation plans (gamma everywhere) every step; the adaptive controller only
-        # as often as its plans pay for their host time.
-        self.cadence = PlanCadence() if self.controller.adaptive else None
-        self._plan_host_time: float | None = None   # the host seconds of this step's plan (None: no plan)
+        self.policy, self.costs = parts.policy, parts.costs
         self.pool: BlockPool = parts.pool
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.vocab_size
@@ -55,9 +66,9 @@ class Engine:
         self.gamma = config.speculative.gamma
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.gamma)
-        self.step_timer = parts.step_timer
         self.requests: dict[str, Request] = {}
         self.last_stats: StepStats | None = None
+        self.num_steps = 0
         self.totals = SpecTotals()
         self._next_seed = config.seed
         self.num_failed_steps = 0   # consecutive steps in which every request failed
@@ -118,46 +129,68 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def status(self) -> EngineStatus:
+        pool = self.pool
+        return EngineStatus(len(self.requests), len(self.scheduler.running), len(self.scheduler.waiting),
+                            pool.num_free_blocks, pool.num_blocks, pool.usage, self.num_steps, self.last_stats)
+
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = work_clock()
-        batch = self.scheduler.schedule(self._plan())
+        plan = self._plan()
+        batch = self.scheduler.schedule(plan.lookahead())
         if not batch.scheduled:
             return []
         try:
-            passed = self._forward(batch)
+            passed = self._forward(batch, plan)
         except Exception as exc:  # one bad request must not fail the batch, nor take the server down
-            return self._isolate(batch, exc)
+            return self._isolate(batch, plan, exc)
         self.num_failed_steps = 0
-        proposal, result, draft_time, verify_time = passed
-        outputs = self._finish(batch, proposal, result, draft_time, verify_time)
-        if self.last_stats.pure_decode:   # the step's host work around its passes, for the plan's rates
-            self.costs.observe_overhead(work_clock() - started - draft_time - verify_time)
-        return outputs
+        return self._finish(batch, plan, *passed, started=started)
 
-    def _forward(self, batch: SchedulerOutput) -> tuple[Proposal, VerifyResult, float, float]:
+    def _forward(self, batch: SchedulerOutput, plan: StepPlan) -> tuple[Proposal, VerifyResult, float, float]:
         """The step's tensor work (proposer and target pass): no request's state changes in it, so
         a failed pass can be rerun. Returns the proposal, the verification and their times (by the
         work clock: without the one-off capture of a CUDA graph)."""
         t0 = work_clock()
-        proposal = self.proposer.propose(batch.scheduled)
+        proposal = self.proposer.propose(batch.scheduled, plan.drafts)
         t1 = work_clock()
         result = verify(self.target, batch.scheduled, proposal)
         return proposal, result, t1 - t0, work_clock() - t1
 
-    def _finish(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, draft_time: float,
-                verify_time: float) -> list[RequestOutput]:
-        """The step's bookkeeping: learn its costs and acceptance, apply it to the requests."""
-        self._learn(batch, proposal, result, verify_time, draft_time + verify_time)
-        outputs, emitted_drafts = self._update(batch, proposal, result)
-        self.last_stats = self._stats(batch, proposal, emitted_drafts, draft_time, verify_time, outputs)
+    def _finish(self, batch: SchedulerOutput, plan: StepPlan, proposal: Proposal, result: VerifyResult,
+                draft_time: float, verify_time: float, started: float | None = None) -> list[RequestOutput]:
+        """The step's bookkeeping: tell the policy (and, for a step timed whole since `started`, the
+        cost tables) what it made of the plan, and apply it to the requests."""
+        outcome = self._outcome(batch, plan, proposal, result, verify_time, started)
+        if outcome.timing is not None:
+            self.costs.observe(outcome.timing)
+        self.policy.observe(plan, outcome)
+        outputs, emitted_drafts = self._update(batch, plan, proposal, result)
+        self.last_stats = self._stats(batch, plan, proposal, emitted_drafts, draft_time, verify_time, outputs)
         self.totals.add(self.last_stats)
+        self.num_steps += 1
         return outputs
 
-    def _isolate(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+    def _outcome(self, batch: SchedulerOutput, plan: StepPlan, proposal: Proposal, result: VerifyResult,
+                 verify_time: float, started: float | None) -> StepOutcome:
+        verified = tuple(Verified(item.request.request_id, plan.drafts[item.request.request_id].method,
+                                  len(drafts), result.num_accepted[i])
+                         for i, (item, drafts) in enumerate(zip(batch.scheduled, proposal.draft_token_ids))
+                         if item.is_decode and drafts)
+        timing = None   # the tables are corrected by the shapes they hold: steps of decodes alone
+        if started is not None and all(item.is_decode for item in batch.scheduled):
+            num_tokens = sum(s.num_new_tokens for s in batch.scheduled) + sum(map(len, proposal.draft_token_ids))
+            timing = PassTiming(len(batch.scheduled), num_tokens, verify_time, tuple(proposal.forwards),
+                                work_clock() - started)
+        return StepOutcome(verified, timing)
+
+    def _isolate(self, batch: SchedulerOutput, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
         """A failed pass is rerun request by request: only a request that fails alone is failed
         (finish_reason "error"). A device error, or max_step_failures steps in a row in which every
-        request failed, is fatal: EngineDeadError. (The step metrics then see the last rerun only.)"""
+        request failed, is fatal: EngineDeadError. The reruns teach the policy what their drafts
+        were worth, but not the cost tables: their timings are not those of the planned step.
+        (The step metrics then see the last rerun only.)"""
         self._check_device(exc)
         logger.error("an engine step of %d requests failed: %s: %s", len(batch.scheduled), type(exc).__name__, exc,
                      exc_info=exc)
@@ -168,7 +201,7 @@ class Engine:
             for i, item in enumerate(batch.scheduled):
                 single = SchedulerOutput([item], batch.preempted if i == 0 else [])
                 try:
-                    passed = self._forward(single)
+                    passed = self._forward(single, plan)
                 except Exception as alone:
                     self._check_device(alone)
                     logger.error("request %s failed alone: %s: %s", item.request.request_id, type(alone).__name__,
@@ -176,7 +209,7 @@ class Engine:
                     outputs += self._fail([item], alone)
                     num_failed += 1
                 else:
-                    outputs += self._finish(single, *passed)
+                    outputs += self._finish(single, plan, *passed)
         self.num_failed_steps = self.num_failed_steps + 1 if num_failed == len(batch.scheduled) else 0
         if self.num_failed_steps >= self.config.max_step_failures:
             raise EngineDeadError(f"{self.num_failed_steps} engine steps in a row failed every request in them; "
@@ -190,42 +223,22 @@ class Engine:
             raise EngineDeadError(f"the device failed: {type(exc).__name__}: {exc}") from exc
 
     # ---- speculation control ---------------------------------------------------------
-    def _plan(self) -> dict:
-        """The controller's (proposer, k) for every request whose next pass is a decode; none on
-        the steps the cadence skips."""
-        self._plan_host_time = None
+    def _plan(self) -> StepPlan:
+        """The policy's plan for the requests whose next pass is a decode."""
         decoding = self.scheduler.decoding()
         if not decoding or not self.proposer.proposers:
-            return {}
-        if self.cadence is not None and not self.cadence.due():
-            self.controller.skip()
-            return {}
-        started = time.perf_counter()
-        candidates, evidence = [], {}
-        for request in decoding:
-            limit = self.scheduler.draft_limit(request)
-            if request.params.num_speculative_tokens is not None:
-                limit = min(limit, request.params.num_speculative_tokens)
-            allowed = self._allowed(request)
-            caps = {m: self.proposer.proposers[m].max_drafts(request, limit) for m in allowed} if limit else {}
-            lags = {m: self.proposer.proposers[m].catch_up_tokens(request) for m in allowed}
-            candidates.append((request.request_id, caps, lags))
-            if self.controller.adaptive and self.controller.use_evidence:
-                evidence[request.request_id] = self._evidence(request, caps)
-        steps = self.cadence.last_steps if self.cadence is not None else 1
-        plans = self.controller.plan(candidates, self._pending_prefill(len(decoding)), evidence, steps)
-        self._plan_host_time = time.perf_counter() - started
-        return plans
+            return StepPlan()
+        return self.policy.plan(StepView(tuple(self._candidate(r) for r in decoding), *self._pending_prefill(len(decoding))))
 
-    def _evidence(self, request: Request, caps: dict[str, int]) -> dict[str, list]:
-        """Per proposer that reports one (copying proposers; a model's confidence shows only while
-        it drafts), the evidence key of each draft it could offer."""
-        evidence = {}
-        for method, cap in caps.items():
-            report = getattr(self.proposer.proposers[method], "draft_evidence", None)
-            if report is not None and cap > 0:
-                evidence[method] = report(request, cap)
-        return evidence
+    def _candidate(self, request: Request) -> Candidate:
+        """What each proposer the request may use can offer it now, and must catch up on first."""
+        limit = self.scheduler.draft_limit(request)
+        if request.params.num_speculative_tokens is not None:
+            limit = min(limit, request.params.num_speculative_tokens)
+        proposers = {m: self.proposer.proposers[m] for m in self._allowed(request)}
+        return Candidate(request.request_id,
+                         {m: p.max_drafts(request, limit) if limit else 0 for m, p in proposers.items()},
+                         {m: p.catch_up_tokens(request) for m, p in proposers.items()})
 
     def _allowed(self, request: Request) -> list[str]:
         """The proposers this request may use: the engine's, narrowed by the request's own choice."""
@@ -234,67 +247,21 @@ class Engine:
             return self.proposer.methods
         return [m for m in self.proposer.methods if m == wanted]
 
-    def _pending_prefill(self, num_decoding: int) -> int:
-        """Prompt tokens likely to share the next pass with the decodes (for the step-time estimate)."""
+    def _pending_prefill(self, num_decoding: int) -> tuple[int, int]:
+        """Prompt tokens likely to share the next pass with the decodes, and their requests."""
         scheduler = self.scheduler
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running if r.num_output_tokens == 0)
+        prefilling = [r.num_tokens - r.num_computed_tokens for r in scheduler.running if r.num_output_tokens == 0]
         free_slots = max(0, scheduler.max_num_seqs - len(scheduler.running))   # only these can be admitted
-        pending += sum(r.num_tokens for r in itertools.islice(scheduler.waiting, free_slots))
-        return max(0, min(pending, self.config.max_num_batched_tokens - num_decoding))
-
-    def _learn(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult, verify_time: float,
-               step_time: float) -> None:
-        """Feed the controller what verification made of each draft, the cost model the pass and
-        step times, and the cadence what the step's plan delivered."""
-        accepted, luck = 0, 0.0   # draft tokens accepted this step, and the variance of that count by chance
-        for i, item in enumerate(batch.scheduled):
-            if not item.is_decode:
-                continue
-            drafts = proposal.draft_token_ids[i]
-            if drafts:
-                rid = item.request.request_id
-                self.controller.observe(rid, item.method, len(drafts), result.num_accepted[i])
-                accepted += result.num_accepted[i]
-                luck += luck_variance(self.controller.last_gains.get(rid, [])[:len(drafts)])
-        num_drafts = sum(len(d) for d in proposal.draft_token_ids)
-        self.costs.observe_pass(sum(s.num_new_tokens for s in batch.scheduled) + num_drafts, verify_time,
-                                num_drafts > 0, len(batch.scheduled))
-        predicted = self.controller.last_predicted_time
-        pure_decode = all(item.is_decode for item in batch.scheduled)
-        # Only steps the plan priced as drafting steps: a step whose only drafts are probes was
-        # predicted as a plain step, and taking it for a drafting one inflated the scale of every
-        # drafting step (to 1.4 at alpha 0.7, batch 4), which planned fewer drafts and left more
-        # steps to probes alone.
-        planned = self.controller.adaptive and self.controller.last_depth > 0
-        if num_drafts and predicted and planned and pure_decode:
-            self.costs.observe_drafting_step(predicted, step_time, self.controller.last_depth)
-        elif pure_decode and self.controller.adaptive and not planned:
-            self.costs.observe_idle_step()
-        if self.cadence is not None and self._plan_host_time is not None:
-            self._judge_plan(accepted, luck, num_drafts, pure_decode, step_time)
-
-    def _judge_plan(self, accepted: int, luck: float, num_drafts: int, pure_decode: bool, step_time: float) -> None:
-        """Tell the cadence what this step's plan delivered (see spec_decode/cadence.py). A drafting
-        step of decodes alone is charged what it measured over plain decoding's curve: the plan's
-        prediction of it ran 1.75x short at 13-16 requests (in part the draft model's catch-ups, in
-        part the cost of verification rows), and a whole-step scale errs by a large share of the extra."""
-        controller = self.controller
-        if not num_drafts:
-            extra = 0.0
-        elif pure_decode:
-            extra = step_time - controller.last_plain_time
-        else:
-            extra = max((controller.last_predicted_time or 0.0) - controller.last_plain_time, 0.0)
-        token = controller.last_plain_token
-        self.cadence.observe(accepted * token, extra, self._plan_host_time, luck * token * token)
-        self._plan_host_time = None   # a failed pass rerun request by request is judged once
+        prefilling += [r.num_tokens for r in itertools.islice(scheduler.waiting, free_slots)]
+        tokens = max(0, min(sum(prefilling), self.config.max_num_batched_tokens - num_decoding))
+        return tokens, len(prefilling) if tokens else 0
 
     def _forget(self, request_id: str) -> None:
         self.proposer.on_finish(request_id)
-        self.controller.on_finish(request_id)
+        self.policy.on_finish(request_id)
 
     # ---- update: bookkeeping only ------------------------------------------------
-    def _update(self, batch: SchedulerOutput, proposal: Proposal, result: VerifyResult
+    def _update(self, batch: SchedulerOutput, plan: StepPlan, proposal: Proposal, result: VerifyResult
                 ) -> tuple[list[RequestOutput], list[int | None]]:
         """Apply the step to every request; also returns, per scheduled request, the drafts it emitted
         (None where the pass emitted no token after the request's first)."""
@@ -314,7 +281,7 @@ class Engine:
                 request.noise.forget_before(request.num_output_tokens)
             request.num_proposed += len(proposal.draft_token_ids[i])
             if item.is_decode:
-                method = item.method if proposal.draft_token_ids[i] else "none"
+                method = _method(plan, item) if proposal.draft_token_ids[i] else "none"
                 request.passes_by_method[method] = request.passes_by_method.get(method, 0) + 1
                 k = len(proposal.draft_token_ids[i])
                 request.passes_by_k[k] = request.passes_by_k.get(k, 0) + 1
@@ -400,7 +367,7 @@ class Engine:
         return outputs
 
     # ---- statistics ------------------------------------------------------------------
-    def _stats(self, batch, proposal: Proposal, emitted_drafts: list[int | None], draft_time: float,
+    def _stats(self, batch, plan: StepPlan, proposal: Proposal, emitted_drafts: list[int | None], draft_time: float,
                verify_time: float, outputs: list[RequestOutput]) -> StepStats:
         per_position = [0] * self.gamma
         accepted_lengths = []
@@ -414,12 +381,10 @@ class Engine:
         by_method: dict[str, list[int]] = {}
         for item, drafts, emitted in zip(batch.scheduled, proposal.draft_token_ids, emitted_drafts):
             if drafts:
-                counts = by_method.setdefault(item.method, [0, 0])
+                counts = by_method.setdefault(_method(plan, item), [0, 0])
                 counts[0] += len(drafts)
                 counts[1] += emitted or 0
         num_draft_tokens = sum(len(d) for d in proposal.draft_token_ids)
-        if pure_decode and num_draft_tokens == 0:
-            self.step_timer.observe(len(batch.scheduled), verify_time)   # a real plain decode step
         return StepStats(
             method=self.method, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.pool.usage, batch_size=len(batch.scheduled),
@@ -430,19 +395,18 @@ class Engine:
             num_accepted_tokens=sum(accepted_lengths), num_target_forwards=num_forwards, pure_decode=pure_decode,
             accepted_per_position=tuple(per_position), accepted_lengths=tuple(accepted_lengths),
             draft_time_s=draft_time, verify_time_s=verify_time,
-            plain_step_time_s=self.step_timer.estimate(len(batch.scheduled)) if pure_decode else None,
+            plain_step_time_s=self.costs.plain_step(len(batch.scheduled)) if pure_decode else None,
             finished_reasons=tuple(o.finish_reason for o in outputs if o.finished),
             chosen_k=tuple(len(d) for item, d in zip(batch.scheduled, proposal.draft_token_ids) if item.is_decode),
             drafts_by_method=tuple((m, p, a) for m, (p, a) in sorted(by_method.items())),
-            predicted_time_s=self.controller.last_predicted_time if pure_decode else None,
-            plan_stride=self._plan_stride(),
+            predicted_time_s=plan.predicted_time if pure_decode else None,
         )
 
-    def _plan_stride(self) -> int | None:
-        """Steps per plan: the cadence's; static speculation plans every step; none without proposers."""
-        if not self.proposer.proposers:
-            return None
-        return self.cadence.stride if self.cadence is not None else 1
+
+def _method(plan: StepPlan, item: ScheduledRequest) -> str:
+    """The proposer that drafted for a scheduled request ("none" when it verifies no drafts)."""
+    draft = plan.drafts.get(item.request.request_id)
+    return draft.method if draft is not None and item.num_lookahead else "none"
 
 
 def _first_token_prompts(outputs: list[RequestOutput]) -> int:

@@ -82,7 +82,6 @@ class StepStats:
     chosen_k: tuple[int, ...] = ()    # per decode pass: the drafts it verified (0: plain decoding)
     drafts_by_method: tuple[tuple[str, int, int], ...] = ()   # (proposer, proposed, accepted) this step
     predicted_time_s: float | None = None    # the controller's prediction of draft + verify time
-    plan_stride: int | None = None    # steps per speculation plan (spec_decode/cadence.py); None: no speculation
 
 
 @dataclass

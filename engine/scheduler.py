@@ -3,7 +3,7 @@
 Every request is just "the tokens it still needs": a prompt chunk, one decode
 token, or one decode token plus k draft tokens. Each step the scheduler serves
 the decoding requests first (oldest first; each one's k comes from the plan the
-engine's controller makes for them), then the running requests still
+engine's speculation policy makes for them), then the running requests still
 prefilling, then admits waiting ones, while the token budget, max_num_seqs and
 the block pool allow: a long prompt never starves the decodes. When the pool
 runs dry, a request first gives up its drafts; only then is the newest running
@@ -28,16 +28,12 @@ class ScheduledRequest:
     num_lookahead: int         # draft tokens it may verify this step (slots reserved)
     samples: bool              # feeds the request's last token, so a new token comes out
     is_decode: bool            # feeds only the last generated token: a decode / verification pass
-    method: str = "none"       # the proposer drafting for it this step
-    p_min: float = 0.0         # confidence stop for drafts that carry probabilities (see spec_decode.controller)
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int, num_lookahead: int = 0, method: str = "none",
-           p_min: float = 0.0) -> "ScheduledRequest":
+    def of(cls, request: Request, num_new_tokens: int, num_lookahead: int = 0) -> "ScheduledRequest":
         samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
         is_decode = samples and num_new_tokens == 1 and request.num_output_tokens > 0
-        return cls(request, num_new_tokens, num_lookahead, samples, is_decode,
-                   method if num_lookahead else "none", p_min)
+        return cls(request, num_new_tokens, num_lookahead, samples, is_decode)
 
 
 @dataclass
@@ -84,20 +80,19 @@ class Scheduler:
         """Running requests whose next pass is a decode (or verification): only their last token is new."""
         return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0]
 
-    def schedule(self, plans: dict | None = None) -> SchedulerOutput:
-        """plans: request id -> Plan (method, k, p_min) for the decoding requests; none: no drafts."""
+    def schedule(self, lookahead: dict[str, int] | None = None) -> SchedulerOutput:
+        """lookahead: request id -> the drafts the plan gives a decoding request; absent: none."""
         out = SchedulerOutput()
-        plans = plans or {}
+        lookahead = lookahead or {}
         decoding = self.decoding()
         decoding_ids = {r.request_id for r in decoding}
         budget = self.max_num_batched_tokens
         for i, request in enumerate(decoding):
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue   # preempted earlier in this loop, or out of budget this step
-            plan = plans.get(request.request_id)
             # Every later decode keeps its one token of budget.
-            k = min(plan.k, self.draft_limit(request), budget - 1 - (len(decoding) - 1 - i)) if plan else 0
-            item = self._schedule_decode(request, max(k, 0), plan, out)
+            k = min(lookahead.get(request.request_id, 0), self.draft_limit(request), budget - 1 - (len(decoding) - 1 - i))
+            item = self._schedule_decode(request, max(k, 0), out)
             if item is not None:
                 out.scheduled.append(item)
                 budget -= 1 + item.num_lookahead
@@ -112,12 +107,11 @@ class Scheduler:
             self._admit_waiting(budget, out)
         return out
 
-    def _schedule_decode(self, request: Request, k: int, plan, out: SchedulerOutput) -> ScheduledRequest | None:
+    def _schedule_decode(self, request: Request, k: int, out: SchedulerOutput) -> ScheduledRequest | None:
         """Blocks for the last token plus k drafts; drop the drafts before preempting anyone."""
         for lookahead in dict.fromkeys((k, 0)):
             if self.pool.allocate(request.block_table, request.num_tokens + lookahead):
-                return ScheduledRequest.of(request, 1, lookahead, plan.method if plan else "none",
-                                           plan.p_min if plan else 0.0)
+                return ScheduledRequest.of(request, 1, lookahead)
         if not self._make_room(request, request.num_tokens, out):
             return None
         return ScheduledRequest.of(request, 1)

@@ -22,13 +22,13 @@ from engine.models.streamed_linear import check_quantization, kernel_unavailable
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
-from engine.spec_decode.base import Proposal, Proposer, Router
-from engine.spec_decode.controller import MODEL_PROPOSERS, SpecController
+from engine.spec_decode.base import DraftJob, Proposal, Proposer, Router
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.policy import MODEL_PROPOSERS, GoodputPolicy, Policy, StaticPolicy
 from engine.spec_decode.suffix import SuffixProposer
-from engine.step_timer import PlainStepTimer, StepCostModel
+from engine.step_costs import StepCosts
 from engine.verify import verify
 
 logger = logging.getLogger("specserve.engine")
@@ -43,13 +43,12 @@ class EngineParts:
     dtype: torch.dtype
     target: ModelRunner
     proposer: Router
-    controller: SpecController
-    costs: StepCostModel
+    policy: Policy
+    costs: StepCosts
     pool: BlockPool
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
-    step_timer: PlainStepTimer
     quantization: str
 
 
@@ -175,17 +174,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
     target = ModelRunner(target_model, num_blocks, block_size, dtype, device, target_flash,
                          keep_features=head is not None)
-    costs = StepCostModel()
     proposers: dict[str, Proposer] = {}
     if "draft" in spec.proposers:
         proposers["draft"] = DraftModelProposer(
             ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
-            hf_config.vocab_size, spec.draft_temperature, on_forward=costs.observe_draft)
+            hf_config.vocab_size, spec.draft_temperature)
     if head is not None:
         proposers["eagle"] = EagleProposer(
             ModelRunner(head, num_blocks, block_size, dtype, device, target_flash), target, hf_config.vocab_size,
-            spec.draft_temperature, on_forward=lambda rows, seconds, catch_up: costs.observe_draft(
-                rows, seconds, catch_up, method="eagle"))
+            spec.draft_temperature)
     if "ngram" in spec.proposers:
         proposers["ngram"] = NgramProposer(spec.ngram_min, spec.ngram_max)
     if "suffix" in spec.proposers:
@@ -197,18 +194,20 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                                             # that accepted every draft: two tokens)
     _decode_grids(config, device, grids, blocks_per_seq)
     router = Router(proposers, hf_config.vocab_size)
-    controller = SpecController(list(proposers), spec.gamma, costs, spec.adaptive, spec.draft_p_min)
-
-    timer = PlainStepTimer()
+    costs = StepCosts()
+    if spec.adaptive:
+        policy: Policy = GoodputPolicy(list(proposers), spec.gamma, costs, spec.draft_p_min)
+    else:
+        policy = StaticPolicy(list(proposers), spec.gamma, spec.draft_p_min)
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
-        _calibrate(timer, costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)
+        _calibrate(costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)
     logger.info("engine ready: model=%s dtype=%s quantization=%s fused_cpu_ops=%s device=%s kv_blocks=%d x %d "
                 "tokens, max_model_len=%d, sliding_window=%s, speculative=%s gamma=%d", config.model,
                 str(dtype).replace("torch.", ""), quantization, "on" if target.fused_ops else "off", device,
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
-    return EngineParts(device, dtype, target, router, controller, costs, pool, max_model_len, hf_config.vocab_size,
-                       eos_token_ids(config.model, hf_config), timer, quantization)
+    return EngineParts(device, dtype, target, router, policy, costs, pool, max_model_len, hf_config.vocab_size,
+                       eos_token_ids(config.model, hf_config), quantization)
 
 
 def _decode_grids(config: EngineConfig, device: torch.device, query_lens: dict, max_blocks: int) -> None:
@@ -249,12 +248,13 @@ def _max_model_len(config: EngineConfig, target, draft, kv_capacity: int) -> int
     return min(limits)
 
 
-def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner, models: list, pool: BlockPool,
-               max_batch: int, gamma: int) -> None:
-    """Time, through the real verification path on scratch blocks: plain greedy decode steps at batch
-    1, 2, 4, ... (the plain-step timer and the cost model's plain curve), verification passes of
-    2, gamma / 2 + 1 and gamma + 1 tokens per request at the same batches (its verification curves,
-    one per batch), and the forwards of the model proposers (draft model, EAGLE head)."""
+def _calibrate(costs: StepCosts, target: ModelRunner, models: list, pool: BlockPool, max_batch: int,
+               gamma: int) -> None:
+    """Fill the cost tables, through the real verification and drafting paths on scratch blocks:
+    target passes of 1, 2, gamma / 2 + 1 and gamma + 1 tokens per request at batch 1, 2, 4, ...,
+    each model proposer's one-token forward at the same batches, and its price per catch-up token.
+    Each timing is the fastest of three after two warm-ups: a shape's first passes are slow (kernel
+    creation, fresh memory; on a GPU, capturing its CUDA graph), and timings only err upwards."""
     context = 2 * pool.block_size
     max_batch = min(max_batch, pool.num_free_blocks // 4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -268,59 +268,40 @@ def _calibrate(timer: PlainStepTimer, costs: StepCostModel, target: ModelRunner,
             out.append(request)
         return out
 
-    def release(scheduled: list[Request]) -> None:
+    def release(scheduled: list[Request], proposer=None) -> None:
         for request in scheduled:
             pool.free(request.block_table)
+            if proposer is not None:
+                proposer.on_finish(request.request_id)
 
     def target_pass(batch: int, lookahead: int) -> float:
         scheduled = requests(batch)
         proposal = Proposal([[1] * lookahead for _ in scheduled], None)
         items = [ScheduledRequest.of(r, 1, lookahead) for r in scheduled]
-        for _ in range(2):   # warm-up: a new shape's first passes create kernels and touch fresh memory
-            verify(target, items, proposal)
-        best = float("inf")
-        for _ in range(3):   # the fastest of three: timings only err upwards (other work, page faults)
+        seconds = []
+        for _ in range(5):
             start = time.perf_counter()
             verify(target, items, proposal)
-            best = min(best, time.perf_counter() - start)
+            seconds.append(time.perf_counter() - start)
         release(scheduled)
-        return best
+        return min(seconds[2:])
 
-    if max_batch < 1:
-        return
-    batch = 1
-    while batch <= max_batch:
-        seconds = target_pass(batch, 0)
-        timer.seconds[batch] = seconds
-        costs.calibrate_plain(batch, seconds)
-        for lookahead in sorted({1, max(1, gamma // 2), gamma}):   # verification curves per batch: 1, gamma/2, gamma drafts each
-            costs.calibrate_verify(batch, batch * (lookahead + 1), target_pass(batch, lookahead))
-        batch *= 2
+    batches = [1 << i for i in range(max(0, max_batch).bit_length())]
+    for batch in batches:
+        for lookahead in sorted({0, 1, max(1, gamma // 2), gamma}):
+            costs.target.add(batch, lookahead + 1, target_pass(batch, lookahead))
     for proposer in models:
-        batch = 1
-        while batch <= max_batch:
+        table = costs.draft(proposer.method)
+        for batch in batches:
             scheduled = requests(batch)
-            items = [ScheduledRequest.of(r, 1, 1, proposer.method) for r in scheduled]
-            proposer.propose(items)   # catches the context up (timed into the catch-up price, as in serving)
-            costs.draft_curve(proposer.method).calibrate(batch, _fastest_draft_step(proposer, items))
-            for r in scheduled:
-                proposer.on_finish(r.request_id)
-            release(scheduled)
-            batch *= 2
-
-
-def _fastest_draft_step(proposer, items: list[ScheduledRequest]) -> float:
-    """Seconds of a model proposer's one-token step for these requests: two warm-up steps, then the
-    fastest of three. A shape's first steps are slow (kernel creation; on a GPU, capturing its CUDA
-    graph), and a curve seeded with one makes drafting look dear, so the engine seldom drafts and
-    the curve is never corrected: on an H200 with CUDA graphs (the target's decode step 1.6 ms) the
-    draft's curve held 1.97 ms a step, and the adaptive engine drafted in 4% of rows at alpha 0.9
-    where static gamma 8 ran 1.55x plain decoding."""
-    seconds, forward = [], proposer.on_forward
-    proposer.on_forward = lambda rows, elapsed, catch_up: seconds.append(elapsed)
-    try:
-        for _ in range(5):
-            proposer.propose(items)
-    finally:
-        proposer.on_forward = forward
-    return min(seconds[2:])
+            jobs = [DraftJob(r, 1) for r in scheduled]
+            proposer.propose(jobs)   # catches each request up on its context; later forwards feed one token
+            table.add(batch, min(proposer.propose(jobs).forwards[0].seconds for _ in range(5)))
+            release(scheduled, proposer)
+        catch_ups = []
+        for _ in range(5):   # a fresh request each time: its first forward catches up on the whole context
+            scheduled = requests(1)
+            forward = proposer.propose([DraftJob(scheduled[0], 1)]).forwards[0]
+            catch_ups.append((forward.seconds - table.tabled(1)) / max(forward.catch_up, 1))
+            release(scheduled, proposer)
+        table.catch_up_price = max(0.0, min(catch_ups[2:]))

@@ -50,11 +50,6 @@ decode step the controller predicted a time for (``StepStats.predicted_time_s``)
 - ``spec_decode_step_time_ratio`` (histogram) observes measured / predicted per step, for the
   spread of the error (its quantiles), which the ratio of sums hides.
 
-``spec_decode_plan_stride`` is the engine's steps per speculation plan (see
-``engine/spec_decode/cadence.py``): under adaptive speculation 1 while plans pay for their host
-time, up to 4 while they do not (the steps in between decode plainly); static speculation plans
-every step (1); not exported for method "none".
-
 Gauges derived over a window (the last ``window_steps`` steps, see ``_SpecWindow``):
 - ``spec_decode_acceptance_rate`` = accepted / proposed draft tokens over recent steps that
   verified drafts. Not exported until a step has verified a draft (no NaN, no misleading 0).
@@ -257,9 +252,6 @@ class Metrics:
         self._speedup = gauge("spec_decode_estimated_speedup", f"Estimated decode speedup over plain decoding at the same batch sizes, over the last {window_steps} decode steps; 1 for method none.", spec)
         if method == "none":
             self._speedup.labels(**spec).set(1.0)
-        self.plan_stride = gauge(
-            "spec_decode_plan_stride", "Engine steps per speculation plan: 1 = every step (always, for static speculation); "
-            "more = recent plans did not pay for their host time, so the steps between plans decode plainly.", spec)
 
         # Engine and request counters.
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV cache freed, to be recomputed).")
@@ -317,8 +309,6 @@ class Metrics:
             self.measured_time.inc(measured)
             if stats.predicted_time_s > 0:
                 self.time_ratio.observe(measured / stats.predicted_time_s)
-        if stats.plan_stride is not None:
-            self.plan_stride.labels(**self._spec_labels).set(stats.plan_stride)
         if stats.batch_size > 0:
             self.batch_size.observe(stats.batch_size)
             self.num_batched_tokens.observe(stats.num_batched_tokens)

@@ -331,8 +331,8 @@ def test_only_rows_verified_by_rejection_sampling_carry_draft_distributions(path
     buffers = []
     original = engine.proposer.propose
 
-    def recording(scheduled):
-        proposal = original(scheduled)
+    def recording(scheduled, plan):
+        proposal = original(scheduled, plan)
         if any(proposal.draft_token_ids):
             buffers.append(proposal.draft_probs is not None)
         return proposal

@@ -385,14 +385,3 @@ def test_real_engine_steps(request, tmp_path):
     speedup = value(metrics, "spec_decode_estimated_speedup", **sl)
     assert math.isfinite(speedup) and speedup > 0
 
-
-def test_plan_stride_gauge():
-    """Steps per speculation plan: exported once a step reports it, the newest value; absent for a
-    step of an engine without speculation."""
-    m = Metrics(MODEL, "auto", proposers=["draft", "ngram"])
-    al = spec_labels("auto")
-    m.observe_step(step(method="auto", plan_stride=None))
-    assert not [k for k in samples(m) if k[0].endswith("plan_stride")]
-    m.observe_step(step(method="auto", plan_stride=4))
-    m.observe_step(step(method="auto", plan_stride=2))
-    assert value(m, "spec_decode_plan_stride", **al) == 2

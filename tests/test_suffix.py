@@ -204,10 +204,10 @@ def test_a_second_request_reuses_the_first_ones_output(pair):
 
 
 def test_the_plans_confidence_stop_cuts_suffix_drafts():
-    from engine.scheduler import ScheduledRequest
+    from engine.spec_decode.base import DraftJob
     from engine.spec_decode.suffix import SuffixDraft
     draft = SuffixDraft([1, 2, 3, 4], [1.0, 0.5, 0.5, 1.0], 3, 2)
     request = _request("c", [0])
-    cut = lambda p_min, k=4: SuffixProposer._confident(draft, ScheduledRequest.of(request, 1, k, "suffix", p_min))
+    cut = lambda p_min, k=4: SuffixProposer._confident(draft, DraftJob(request, k, p_min))
     assert cut(0.0) == [1, 2, 3, 4] and cut(0.3) == [1, 2] and cut(0.6) == [1] and cut(1.0, k=1) == [1]
     assert cut(0.0, k=2) == [1, 2]

@@ -1,21 +1,29 @@
 """What every proposer hands the verifier, the proposer lifecycle, and the router over several.
 
-A proposer drafts for the requests the controller assigned to it (ScheduledRequest.method) up to
-item.num_lookahead tokens each, and owns whatever state that takes (a draft model's cache cursors).
-The engine tells it what verification kept (on_verified) and when a request leaves (on_finish).
-A copying proposer may also report, per draft it could offer, an evidence key (draft_evidence:
-how long its match runs, how many earlier continuations agree), which the controller calibrates
-into an acceptance per position; a model draft's confidence shows only while it drafts.
+A proposer drafts for the requests the policy's plan assigned to it (DraftJob: up to
+num_lookahead tokens each, stopping early where its confidence falls below p_min), and owns
+whatever state that takes (a draft model's cache cursors). The engine tells it what verification
+kept (on_verified) and when a request leaves (on_finish). A model proposer reports each of its
+forwards (Proposal.forwards) for the cost tables.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
+from engine.step_costs import DraftForward
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """One request's drafting this step, as the plan asked for it."""
+    request: Request
+    num_lookahead: int    # the most drafts to propose (slots reserved)
+    p_min: float = 0.0    # confidence stop (see spec_decode/policy.py)
 
 
 @dataclass
@@ -23,6 +31,7 @@ class Proposal:
     draft_token_ids: list[list[int]]   # per scheduled request, in order; empty when it drafts nothing
     draft_probs: torch.Tensor | None   # [num_scheduled, max_lookahead, vocab] distributions the drafts came from;
                                        # None, or an all-zero row: a deterministic guess (q = one-hot)
+    forwards: list[DraftForward] = field(default_factory=list)   # model proposers' forwards, timed
 
     @classmethod
     def empty(cls, num_scheduled: int) -> "Proposal":
@@ -40,12 +49,9 @@ class Proposer(Protocol):
         """Tokens it must process before drafting for the request (a draft model's lag)."""
         ...
 
-    def propose(self, items: list[ScheduledRequest]) -> Proposal:
-        """Up to item.num_lookahead draft tokens for each item (all assigned to this proposer)."""
+    def propose(self, jobs: list[DraftJob]) -> Proposal:
+        """Up to job.num_lookahead draft tokens for each job."""
         ...
-
-    # Optional: def draft_evidence(self, request: Request, limit: int) -> list[Hashable]
-    #     one evidence key per draft that max_drafts(request, limit) counted.
 
     def on_verified(self, request: Request) -> None:
         """Verification ran; request.num_computed_tokens is what its target cache holds now."""
@@ -53,31 +59,6 @@ class Proposer(Protocol):
 
     def on_finish(self, request_id: str) -> None:
         ...
-
-
-def length_bucket(n: int) -> int:
-    """1, 2-3, 4-7, 8-15, 16+ -> 0..4: how long a match runs, as an evidence key."""
-    return min(4, max(n, 1).bit_length() - 1)
-
-
-class NoProposer:
-    """Plain autoregressive decoding through the same verification path."""
-    method = "none"
-
-    def max_drafts(self, request: Request, limit: int) -> int:
-        return 0
-
-    def catch_up_tokens(self, request: Request) -> int:
-        return 0
-
-    def propose(self, items: list[ScheduledRequest]) -> Proposal:
-        return Proposal.empty(len(items))
-
-    def on_verified(self, request: Request) -> None:
-        pass
-
-    def on_finish(self, request_id: str) -> None:
-        pass
 
 
 class Router:
@@ -92,29 +73,34 @@ class Router:
     def methods(self) -> list[str]:
         return list(self.proposers)
 
-    def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
+    def propose(self, scheduled: list[ScheduledRequest], plan: dict) -> Proposal:
+        """plan: request id -> Draft (method, k, p_min), as the policy's StepPlan.drafts."""
         drafts: list[list[int]] = [[] for _ in scheduled]
         model_probs: list[tuple[list[int], torch.Tensor]] = []
+        forwards: list[DraftForward] = []
         for method, proposer in self.proposers.items():
-            mine = [i for i, item in enumerate(scheduled) if item.method == method and item.num_lookahead > 0]
+            mine = [i for i, item in enumerate(scheduled) if item.num_lookahead > 0
+                    and plan[item.request.request_id].method == method]
             if not mine:
                 continue
-            proposal = proposer.propose([scheduled[i] for i in mine])
+            proposal = proposer.propose([DraftJob(scheduled[i].request, scheduled[i].num_lookahead,
+                                                  plan[scheduled[i].request.request_id].p_min) for i in mine])
+            forwards += proposal.forwards
             for i, tokens in zip(mine, proposal.draft_token_ids):
                 drafts[i] = tokens
             if proposal.draft_probs is not None:
                 model_probs.append((mine, proposal.draft_probs))
         if not model_probs:
-            return Proposal(drafts, None)
+            return Proposal(drafts, None, forwards)
         max_k = max(len(d) for d in drafts)
         rows, block = model_probs[0]
         if len(model_probs) == 1 and rows == list(range(len(scheduled))) and block.shape[1] == max_k:
-            return Proposal(drafts, block)   # one proposer drafted for every row: its block as it is
+            return Proposal(drafts, block, forwards)   # one proposer drafted for every row: its block as it is
         probs = model_probs[0][1].new_zeros(len(scheduled), max_k, self.vocab_size)
         for rows, block in model_probs:
             width = min(max_k, block.shape[1])
             probs[torch.tensor(rows, device=probs.device), :width] = block[:, :width]
-        return Proposal(drafts, probs)
+        return Proposal(drafts, probs, forwards)
 
     def on_verified(self, request: Request) -> None:
         for proposer in self.proposers.values():

@@ -3,7 +3,7 @@
 The draft shares the target's block tables (same block ids, its own KV buffers), so rollback,
 preemption and freeing are the target's bookkeeping; the proposer keeps only how far its own cache
 is valid for each request (a cursor). It catches up lazily: a request it has not drafted for in a
-while (the controller chose n-gram or plain decoding) first gets every token it has not seen, in
+while (the policy chose n-gram or plain decoding) first gets every token it has not seen, in
 the same batched forward as the others' last token; then one token per sequential batched forward.
 A request stops drafting early when the draft is unsure: once the product of the draft's
 probabilities of its own tokens falls below the plan's p_min (the confidence stop).
@@ -18,19 +18,17 @@ from engine.decode_grid import work_clock
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample, warp_probs
-from engine.scheduler import ScheduledRequest
-from engine.spec_decode.base import Proposal
+from engine.spec_decode.base import DraftJob, Proposal
+from engine.step_costs import DraftForward
 
 
 class DraftModelProposer:
     method = "draft"
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_temperature: float | None = None,
-                 on_forward=None):
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_temperature: float | None = None):
         self.runner = runner
         self.target_vocab_size = target_vocab_size
         self.draft_temperature = draft_temperature
-        self.on_forward = on_forward   # (rows, seconds, catch-up tokens) of every draft step, for the cost model
         self._cursors: dict[str, tuple[int, int]] = {}   # request id -> (its preemption count, valid tokens)
 
     # ---- the lifecycle ------------------------------------------------------------
@@ -59,7 +57,7 @@ class DraftModelProposer:
         self._cursors.pop(request_id, None)
 
     # ---- drafting ----------------------------------------------------------------
-    def propose(self, items: list[ScheduledRequest]) -> Proposal:
+    def propose(self, items: list[DraftJob]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in items]
         max_k = max(item.num_lookahead for item in items)
         requests = [item.request for item in items]
@@ -72,6 +70,7 @@ class DraftModelProposer:
         needs_q = any(not r.params.greedy and r.noise is None for r in requests)
         draft_probs = logits.new_zeros(len(items), max_k, logits.shape[-1]) if needs_q else None
         confidence = [1.0] * len(items)
+        forwards = []   # each draft step, timed: the forward and its sampling
         active = list(range(len(items)))
         for step in range(max_k):
             if all(params[a].greedy for a in active):
@@ -82,13 +81,14 @@ class DraftModelProposer:
             for a, token, p in zip(active, tokens, own):
                 drafts[a].append(token)
                 confidence[a] *= p
-            self._observe(rows, started, catch_up)   # a draft step: the forward and its sampling
+            # The .tolist() calls of the choice waited for the device: the step is over.
+            forwards.append(DraftForward(self.method, rows, catch_up, work_clock() - started))
             active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min]
             if not active:
                 break
             rows, catch_up, started = len(active), 0, work_clock()
             logits = self._fit_vocab(self._feed_drafts([items[a] for a in active], [drafts[a] for a in active]))
-        return Proposal(drafts, draft_probs)
+        return Proposal(drafts, draft_probs, forwards)
 
     @staticmethod
     def _sampled_choice(logits: torch.Tensor, requests: list[Request], params: list, step: int,
@@ -107,10 +107,6 @@ class DraftModelProposer:
             draft_probs[torch.tensor(active, device=probs.device), step] = probs
         return tokens.tolist(), own.tolist()
 
-    def _observe(self, rows: int, started: float, catch_up: int) -> None:
-        if self.on_forward is not None:   # the .tolist() calls above waited for the device
-            self.on_forward(rows, work_clock() - started, catch_up)
-
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, draft_vocab] -> [n, target_vocab]: embedding tables padded to different sizes
         share one tokenizer; rows past the shorter table are padding, so q gives them no mass."""
@@ -126,7 +122,7 @@ class DraftModelProposer:
             return params
         return dataclasses.replace(params, temperature=self.draft_temperature)
 
-    def _catch_up(self, items: list[ScheduledRequest]) -> torch.Tensor:
+    def _catch_up(self, items: list[DraftJob]) -> torch.Tensor:
         """Feed the draft every token of each request up to its last one; logits for the first draft."""
         forward = []
         for item in items:
@@ -137,7 +133,7 @@ class DraftModelProposer:
             self._set_cursor(request, end)
         return self.runner.forward(forward)
 
-    def _feed_drafts(self, items: list[ScheduledRequest], drafts: list[list[int]]) -> torch.Tensor:
+    def _feed_drafts(self, items: list[DraftJob], drafts: list[list[int]]) -> torch.Tensor:
         """Feed each request its newest draft token; logits for the next one."""
         forward = []
         for item, tokens in zip(items, drafts):

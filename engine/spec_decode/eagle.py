@@ -19,7 +19,7 @@ import torch
 
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
-from engine.scheduler import ScheduledRequest
+from engine.spec_decode.base import DraftJob
 from engine.spec_decode.draft_model import DraftModelProposer
 
 
@@ -27,8 +27,8 @@ class EagleProposer(DraftModelProposer):
     method = "eagle"
 
     def __init__(self, head: ModelRunner, target: ModelRunner, target_vocab_size: int,
-                 draft_temperature: float | None = None, on_forward=None):
-        super().__init__(head, target_vocab_size, draft_temperature, on_forward)
+                 draft_temperature: float | None = None):
+        super().__init__(head, target_vocab_size, draft_temperature)
         self.target = target
         self._chain: dict[str, torch.Tensor] = {}   # during a proposal: each request's newest head output [H]
 
@@ -37,7 +37,7 @@ class EagleProposer(DraftModelProposer):
         # head has not seen with the target's feature (one plus the accepted drafts, every step).
         return max(0, request.num_computed_tokens - self.cursor(request) - 1)
 
-    def _catch_up(self, items: list[ScheduledRequest]) -> torch.Tensor:
+    def _catch_up(self, items: list[DraftJob]) -> torch.Tensor:
         """Feed each request's pairs (feature p, token p + 1) from its cursor up to its newest
         computed position; logits for the first draft."""
         forward, spans, self._chain = [], [], {}
@@ -52,7 +52,7 @@ class EagleProposer(DraftModelProposer):
         self._remember(items, hidden)
         return logits
 
-    def _feed_drafts(self, items: list[ScheduledRequest], drafts: list[list[int]]) -> torch.Tensor:
+    def _feed_drafts(self, items: list[DraftJob], drafts: list[list[int]]) -> torch.Tensor:
         """Feed each request (its newest head output, its newest draft token); logits for the next.
         The cursor stays: these positions hold the head's guesses, not the target's features."""
         forward = []
@@ -65,6 +65,6 @@ class EagleProposer(DraftModelProposer):
         self._remember(items, hidden)
         return logits
 
-    def _remember(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+    def _remember(self, items: list[DraftJob], hidden: torch.Tensor) -> None:
         for item, row in zip(items, hidden):
             self._chain[item.request.request_id] = row

@@ -5,8 +5,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
-from engine.scheduler import ScheduledRequest
-from engine.spec_decode.base import Proposal, length_bucket
+from engine.spec_decode.base import DraftJob, Proposal
 
 
 def ngram_lookup(token_ids: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> list[int]:
@@ -56,7 +55,7 @@ class NgramIndex:
 
 
 class NgramProposer:
-    """Free drafts from the request's own context. The controller asks for the match first
+    """Free drafts from the request's own context. The engine asks for the match first
     (max_drafts), so budget and blocks are reserved only for drafts that exist."""
     method = "ngram"
 
@@ -81,14 +80,8 @@ class NgramProposer:
     def catch_up_tokens(self, request: Request) -> int:
         return 0
 
-    def draft_evidence(self, request: Request, limit: int) -> list[int]:
-        """Per draft, how long the match runs once the drafts before it are accepted (bucketed),
-        for the controller to calibrate: a 4-gram match that went on copying is likelier right."""
-        tokens, n = self._match(request, limit) if limit > 0 else ([], 0)
-        return [length_bucket(n + j) for j in range(len(tokens))]
-
-    def propose(self, items: list[ScheduledRequest]) -> Proposal:
-        return Proposal([self._lookup(item.request, item.num_lookahead) for item in items], None)
+    def propose(self, jobs: list[DraftJob]) -> Proposal:
+        return Proposal([self._lookup(job.request, job.num_lookahead) for job in jobs], None)
 
     def on_verified(self, request: Request) -> None:
         pass

@@ -17,7 +17,7 @@ below `min_prob`. The draft's score is match length x frequency (how long the ma
 occurrences back its first token); below `min_score` it drafts nothing. Its length is at most
 `spec_factor` x the match length (as SuffixDecoding does): a match of 20 tokens is a copy in
 progress, worth drafting far; a match of 2 is a guess. Of the two indexes the one
-whose draft has more expected accepted tokens wins. The controller's confidence stop (the plan's
+whose draft has more expected accepted tokens wins. The policy's confidence stop (the plan's
 p_min) cuts the draft where its cumulative probability falls below the bar, as it cuts a draft
 model's by the model's own probabilities.
 
@@ -31,8 +31,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from engine.request import Request
-from engine.scheduler import ScheduledRequest
-from engine.spec_decode.base import Proposal, length_bucket
+from engine.spec_decode.base import DraftJob, Proposal
 
 MAX_CANDIDATES = 64   # newest occurrences kept per q-gram: bounds lookups on common q-grams, and memory
 
@@ -43,15 +42,7 @@ class SuffixDraft:
     probs: list[float]       # empirical probability of each draft token given the ones before it
     match_length: int
     frequency: int           # occurrences behind the first draft token
-    support: tuple[int, ...] = ()   # occurrences that agree on each draft token
     shared: bool = False     # from other requests' outputs (else the request's own context)
-
-    def evidence(self) -> list[tuple[int, int, int, bool]]:
-        """Per draft token, what backs it, for the controller to calibrate: how far the match runs
-        once the tokens before it are accepted, how many earlier continuations agree, whether they
-        all agree (or at least half), and where they come from."""
-        return [(length_bucket(self.match_length + j), min(2, length_bucket(n)), 2 if p >= 1.0 else int(p >= 0.5),
-                 self.shared) for j, (n, p) in enumerate(zip(self.support, self.probs))]
 
     @property
     def score(self) -> int:
@@ -161,7 +152,7 @@ class SuffixIndex:
     def _follow(self, starts: list[int], match_length: int, k: int, min_prob: float) -> SuffixDraft:
         """Walk the most frequent continuation of the occurrences whose continuations begin at starts."""
         ends = {s: self.document_end(s - 1) for s in starts}
-        tokens, probs, support, frequency, cumulative = [], [], [], 0, 1.0
+        tokens, probs, frequency, cumulative = [], [], 0, 1.0
         for step in range(k):
             counts: dict[int, int] = {}
             for s in starts:
@@ -177,10 +168,9 @@ class SuffixIndex:
             cumulative *= p
             tokens.append(token)
             probs.append(p)
-            support.append(count)
             frequency = frequency or count
             starts = [s for s in starts if s + step < ends[s] and self.tokens[s + step - self.base] == token]
-        return SuffixDraft(tokens, probs, match_length, frequency, tuple(support))
+        return SuffixDraft(tokens, probs, match_length, frequency)
 
 
 class SharedSuffixCache:
@@ -224,21 +214,17 @@ class SuffixProposer:
     def catch_up_tokens(self, request: Request) -> int:
         return 0
 
-    def draft_evidence(self, request: Request, limit: int) -> list[tuple]:
-        """The evidence key of each draft max_drafts counted (the controller calibrates them)."""
-        return self.draft(request, limit).evidence()[:limit] if limit > 0 else []
-
-    def propose(self, items: list[ScheduledRequest]) -> Proposal:
-        return Proposal([self._confident(self.draft(item.request, item.num_lookahead), item) for item in items], None)
+    def propose(self, jobs: list[DraftJob]) -> Proposal:
+        return Proposal([self._confident(self.draft(job.request, job.num_lookahead), job) for job in jobs], None)
 
     @staticmethod
-    def _confident(draft: SuffixDraft, item: ScheduledRequest) -> list[int]:
+    def _confident(draft: SuffixDraft, job: DraftJob) -> list[int]:
         """The plan's confidence stop: keep drafts while their cumulative empirical probability
-        stays at or above item.p_min (as a draft model does with its own probabilities)."""
+        stays at or above job.p_min (as a draft model does with its own probabilities)."""
         tokens, cumulative = [], 1.0
-        for token, p in zip(draft.token_ids[:item.num_lookahead], draft.probs):
+        for token, p in zip(draft.token_ids[:job.num_lookahead], draft.probs):
             cumulative *= p
-            if tokens and cumulative < item.p_min:
+            if tokens and cumulative < job.p_min:
                 break
             tokens.append(token)
         return tokens

@@ -1,0 +1,267 @@
+"""The speculation policy: each step, every decoding request's proposer and draft length k.
+
+The engine asks `plan(view) -> StepPlan` before scheduling and tells `observe(plan, outcome)` what
+verification made of it; `on_finish` forgets a request. Two policies:
+
+- StaticPolicy (`adaptive: false`): gamma drafts from the first proposer that can offer any.
+- GoodputPolicy (the default): the plan with the most expected output tokens per second of the
+  step (SmartSpec's goodput). k drafts accepted at rate a yield 1 + a + ... + a^k tokens in
+  expectation; a step costs what the cost tables (engine/step_costs.py) say for its target pass,
+  each model proposer's sequential forwards and catch-up, and the step's host overhead. Each
+  request takes, per proposer, the drafts whose chance of acceptance beats their time priced at
+  the step's goodput (the shadow price of a second), and the proposer that nets most; then every
+  depth cap is priced exactly (a draft model runs one forward per depth, so deep drafts of a few
+  requests can cost more than they yield) and the best kept, twice, the second time at the goodput
+  the first found. A plan must beat plain decoding by HURDLE: predictions err by about as much,
+  and plain decoding is the safe side of a close call.
+  Exploration: a request planned at k = 0 probes one draft token when the optimistic bound of its
+  acceptance says a draft could pay, paid from a budget of EXPLORE of its share of plain decoding
+  (a probe's accepted token refunds a plain token's time). Idle evidence ages (estimates.py), so
+  the bound widens and a request whose acceptance may have come back is tested again.
+  Confidence stop: a drafting request stops once its draft's own chance of its tokens so far falls
+  below the break-even chance of one more draft token.
+
+Bookkeeping only: no tensors here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.spec_decode.estimates import POOL_FORGET, PRIOR_WEIGHT, AcceptanceRate
+from engine.step_costs import PassTiming, StepCosts
+
+MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position
+HURDLE = 0.03    # a plan must promise this much more goodput than plain decoding
+EXPLORE = 0.02   # share of a request's plain decoding time that probes may spend (net of what they win)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request whose next pass is a decode."""
+    request_id: str
+    caps: dict[str, int]   # proposer -> the most drafts it can offer now (0: none)
+    lags: dict[str, int]   # proposer -> tokens it must catch up on before drafting
+
+
+@dataclass(frozen=True)
+class StepView:
+    candidates: tuple[Candidate, ...]
+    num_prefill_tokens: int = 0   # prompt tokens likely to share the pass
+    num_prefill_seqs: int = 0     # ... and the sequences they belong to
+
+
+@dataclass(frozen=True)
+class Draft:
+    method: str
+    k: int
+    p_min: float = 0.0    # confidence stop: draft while the draft's chance of its tokens so far stays >= p_min
+    probe: bool = False   # drafted to learn whether acceptance is (back) up
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    drafts: dict[str, Draft] = field(default_factory=dict)   # request id -> its draft; absent: plain decoding
+    predicted_time: float | None = None   # the passes' seconds by the cost tables (None: not priced)
+
+    def lookahead(self) -> dict[str, int]:
+        return {rid: draft.k for rid, draft in self.drafts.items()}
+
+
+@dataclass(frozen=True)
+class Verified:
+    request_id: str
+    method: str
+    num_drafted: int
+    num_accepted: int
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    verified: tuple[Verified, ...]   # the decoding requests that drafted
+    timing: PassTiming | None        # None: not a timing of the planned step (a failed step's reruns)
+
+
+class Policy(Protocol):
+    def plan(self, view: StepView) -> StepPlan: ...
+    def observe(self, plan: StepPlan, outcome: StepOutcome) -> None: ...
+    def on_finish(self, request_id: str) -> None: ...
+
+
+class StaticPolicy:
+    """gamma drafts (or as many as the proposer offers) every step, from the first usable proposer."""
+
+    def __init__(self, methods: list[str], gamma: int, p_min: float | None = None):
+        self.methods, self.gamma, self.p_min = list(methods), gamma, p_min or 0.0
+
+    def plan(self, view: StepView) -> StepPlan:
+        drafts = {}
+        for c in view.candidates:
+            method = next((m for m in self.methods if c.caps.get(m, 0) > 0), None)
+            if method is not None:
+                drafts[c.request_id] = Draft(method, min(self.gamma, c.caps[method]), self.p_min)
+        return StepPlan(drafts)
+
+    def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        pass
+
+    def on_finish(self, request_id: str) -> None:
+        pass
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected accepted drafts of k at rate a: a + a^2 + ... + a^k."""
+    return a * (1.0 - a ** k) / (1.0 - a) if a < 1.0 else float(k)
+
+
+@dataclass
+class _Choice:
+    """A request's best draft at one shadow price: proposer, k, rate, and seconds per draft token."""
+    method: str
+    k: int
+    rate: float
+    row: float
+
+
+@dataclass
+class _RequestState:
+    rates: dict[str, AcceptanceRate] = field(default_factory=dict)
+    credit: float = 0.0     # exploration budget, seconds
+    refund: float = 0.0     # seconds a probe's accepted token is worth (a plain token, when it was planned)
+
+
+class GoodputPolicy:
+    def __init__(self, methods: list[str], max_k: int, costs: StepCosts, p_min: float | None = None):
+        self.methods, self.max_k, self.costs, self.fixed_p_min = list(methods), max_k, costs, p_min
+        self.pool = {m: AcceptanceRate(POOL_FORGET) for m in self.methods}   # the engine-wide rate per proposer
+        self.states: dict[str, _RequestState] = {}
+
+    # ---- estimates ---------------------------------------------------------------
+    def _own(self, rid: str, method: str) -> AcceptanceRate:
+        return self.states.setdefault(rid, _RequestState()).rates.setdefault(method, AcceptanceRate())
+
+    def acceptance(self, rid: str, method: str) -> float:
+        return self._own(rid, method).mean(self.pool[method].mean(), PRIOR_WEIGHT)
+
+    def optimistic(self, rid: str, method: str) -> float:
+        return self._own(rid, method).upper(self.pool[method].mean(), PRIOR_WEIGHT)
+
+    # ---- the plan ----------------------------------------------------------------
+    def plan(self, view: StepView) -> StepPlan:
+        candidates = view.candidates
+        if not candidates:
+            return StepPlan()
+        seqs, base = len(candidates) + view.num_prefill_seqs, len(candidates) + view.num_prefill_tokens
+        plain_time = self._time(view, {})
+        plain_rate = len(candidates) / plain_time
+        token = (self.costs.target(seqs, base + seqs) - self.costs.target(seqs, base)) / seqs
+        shadow, ks, best_rate = plain_rate, {}, plain_rate
+        for _ in range(2):   # the second round prices drafts at the goodput the first found
+            choices = {c.request_id: self._choose(c, shadow, token, len(candidates)) for c in candidates}
+            choices = {rid: choice for rid, choice in choices.items() if choice is not None}
+            depth_ks, depth_rate = self._best_depth(view, choices)
+            if depth_rate > best_rate:
+                ks, best_rate = depth_ks, depth_rate
+            shadow = max(shadow, depth_rate)
+        if best_rate < (1.0 + HURDLE) * plain_rate:
+            ks = {}
+        drafts = {rid: Draft(method, k, self._p_min(shadow, choices.get(rid), token)) for rid, (method, k) in ks.items()}
+        drafts.update(self._probes(view, drafts, shadow, plain_time))
+        planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
+        return StepPlan(drafts, self._time(view, planned) - self.costs.overhead)
+
+    def _choose(self, c: Candidate, shadow: float, token: float, batch: int) -> _Choice | None:
+        """The proposer and k that net this request the most expected tokens less their seconds
+        at the shadow price; None when no draft pays."""
+        best, best_value = None, 0.0
+        for method in self.methods:
+            cap = c.caps.get(method, 0)
+            if cap <= 0:
+                continue
+            a, row, first = self.acceptance(c.request_id, method), token, 0.0
+            if method in MODEL_PROPOSERS:   # its share of a forward over the batch, and its catch-up
+                table = self.costs.draft(method)
+                row, first = row + table(batch) / batch, table(1, c.lags.get(method, 0)) - table(1)
+            bar = shadow * row   # the chance a draft token needs to pay for its row
+            if a <= bar:
+                continue
+            k = cap if bar <= 0 else min(cap, int(math.log(bar) / math.log(a)))
+            value = expected_tokens(a, k) - shadow * (k * row + first)
+            if k > 0 and value > best_value:
+                best, best_value = _Choice(method, k, a, row), value
+        return best
+
+    def _best_depth(self, view: StepView, choices: dict[str, _Choice]) -> tuple[dict[str, tuple[str, int]], float]:
+        """The choices cut at the depth whose exact step time gives the best goodput."""
+        best, best_rate = {}, 0.0
+        for depth in range(1, max((c.k for c in choices.values()), default=0) + 1):
+            ks = {rid: (c.method, min(c.k, depth)) for rid, c in choices.items()}
+            tokens = len(view.candidates) + sum(expected_tokens(c.rate, min(c.k, depth)) for c in choices.values())
+            rate = tokens / self._time(view, ks)
+            if rate > best_rate:
+                best, best_rate = ks, rate
+        return best, best_rate
+
+    def _time(self, view: StepView, ks: dict[str, tuple[str, int]]) -> float:
+        """The step's seconds by the cost tables, with these drafts."""
+        forwards: dict[str, list[int]] = {}
+        catch_up: dict[str, int] = {}
+        lags = {c.request_id: c.lags for c in view.candidates}
+        for rid, (method, k) in ks.items():
+            if method in MODEL_PROPOSERS:
+                rows = forwards.setdefault(method, [])
+                rows += [0] * (k - len(rows))
+                for j in range(k):
+                    rows[j] += 1
+                catch_up[method] = catch_up.get(method, 0) + lags[rid].get(method, 0)
+        num_drafts = sum(k for _, k in ks.values())
+        return self.costs.step_time(len(view.candidates) + view.num_prefill_seqs,
+                                    len(view.candidates) + view.num_prefill_tokens + num_drafts, forwards, catch_up)
+
+    def _p_min(self, shadow: float, choice: _Choice | None, token: float) -> float:
+        """The break-even chance of one more draft token: its row priced at the step's goodput."""
+        if self.fixed_p_min is not None:
+            return self.fixed_p_min
+        return min(1.0, shadow * (choice.row if choice else token))
+
+    def _probes(self, view: StepView, drafts: dict[str, Draft], shadow: float, plain_time: float) -> dict[str, Draft]:
+        """One-token probes for idle requests whose optimistic rate says a draft could pay, richest
+        first, each while its credit covers what it adds to the step."""
+        idle = [c for c in view.candidates if c.request_id not in drafts and any(c.caps.values())]
+        share = plain_time / len(view.candidates)   # a request's share of a plain step
+        planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
+        probes, time = {}, self._time(view, planned)
+        for c in idle:
+            state = self.states.setdefault(c.request_id, _RequestState())
+            state.credit = min(state.credit + EXPLORE * share, plain_time)
+            for method in (m for m in self.methods if c.caps.get(m, 0) > 0):
+                self._own(c.request_id, method).age()
+        for c in sorted(idle, key=lambda c: -self.states[c.request_id].credit):
+            state = self.states[c.request_id]
+            usable = [m for m in self.methods if c.caps.get(m, 0) > 0]
+            method = max(usable, key=lambda m: self.optimistic(c.request_id, m))
+            with_probe = self._time(view, {**planned, c.request_id: (method, 1)})
+            price = with_probe - time
+            if self.optimistic(c.request_id, method) <= shadow * price or state.credit < price:
+                continue
+            state.credit -= price
+            state.refund = share
+            planned[c.request_id], time = (method, 1), with_probe
+            probes[c.request_id] = Draft(method, 1, 0.0, probe=True)
+        return probes
+
+    # ---- feedback ------------------------------------------------------------------
+    def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        for v in outcome.verified:
+            if v.method not in self.pool or v.num_drafted == 0:
+                continue
+            self._own(v.request_id, v.method).observe(v.num_drafted, v.num_accepted)
+            self.pool[v.method].observe(v.num_drafted, v.num_accepted)
+            draft = plan.drafts.get(v.request_id)
+            if draft is not None and draft.probe:
+                state = self.states[v.request_id]
+                state.credit += v.num_accepted * state.refund
+
+    def on_finish(self, request_id: str) -> None:
+        self.states.pop(request_id, None)

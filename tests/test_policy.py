@@ -1,0 +1,256 @@
+"""The speculation policy (engine/spec_decode/policy.py), its estimates and its cost tables, as
+properties over several seeds on synthetic step costs: no model, no tensors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.spec_decode.estimates import AcceptanceRate, judged_tokens
+from engine.spec_decode.policy import (EXPLORE, Candidate, GoodputPolicy, StaticPolicy, StepOutcome, StepView,
+                                       Verified, expected_tokens)
+from engine.step_costs import DraftForward, PassTiming, StepCosts, TargetTable
+
+MAX_K = 8
+SEEDS = range(5)
+
+
+def synthetic_costs(step: float = 0.020, per_seq: float = 0.0005, per_token: float = 0.0004,
+                    draft: tuple[float, float] | None = None, catch_up_price: float = 0.0) -> StepCosts:
+    """A target pass of b sequences and q tokens each costs step + per_seq b + per_token b q; a draft
+    forward of r rows draft[0] + draft[1] r."""
+    costs = StepCosts()
+    for b in (1, 2, 4, 8, 16, 32):
+        for q in (1, 2, 5, 9):
+            costs.target.add(b, q, step + per_seq * b + per_token * b * q)
+        if draft is not None:
+            costs.draft("draft").add(b, draft[0] + draft[1] * b)
+    costs.draft("draft").catch_up_price = catch_up_price
+    return costs
+
+
+def accepted_count(rng: random.Random, alpha: float, k: int) -> int:
+    n = 0
+    while n < k and rng.random() < alpha:
+        n += 1
+    return n
+
+
+class Simulation:
+    """A policy driven step by step over `batch` requests that accept each draft token at alpha(step)."""
+
+    def __init__(self, policy, batch: int, seed: int, methods=("ngram",), caps: int = MAX_K):
+        self.policy, self.batch, self.rng = policy, batch, random.Random(seed)
+        self.methods, self.caps, self.step_index = methods, caps, 0
+
+    def view(self) -> StepView:
+        return StepView(tuple(Candidate(f"r{i}", {m: self.caps for m in self.methods}, {m: 0 for m in self.methods})
+                              for i in range(self.batch)))
+
+    def step(self, alpha: float) -> dict[str, tuple[str, int]]:
+        plan = self.policy.plan(self.view())
+        verified = tuple(Verified(rid, d.method, d.k, accepted_count(self.rng, alpha, d.k))
+                         for rid, d in plan.drafts.items() if d.k)
+        self.policy.observe(plan, StepOutcome(verified, None))
+        self.step_index += 1
+        return {rid: (d.method, d.k) for rid, d in plan.drafts.items()}
+
+    def mean_k(self, alpha: float, steps: int) -> float:
+        total = sum(k for _ in range(steps) for _, k in self.step(alpha).values())
+        return total / (steps * self.batch)
+
+
+def goodput_policy(costs: StepCosts, methods=("ngram",)) -> GoodputPolicy:
+    return GoodputPolicy(list(methods), MAX_K, costs)
+
+
+# ---- the plan ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_k_falls_as_the_batch_grows(seed):
+    """Verification rows cost more of a step the bigger the batch: fewer drafts each."""
+    ks = []
+    for batch in (1, 4, 16, 32):
+        sim = Simulation(goodput_policy(synthetic_costs(per_token=0.002)), batch, seed)
+        sim.mean_k(0.8, 20)   # learn the rate
+        ks.append(sim.mean_k(0.8, 30))
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1] + 1, ks
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_no_drafts_at_low_acceptance(seed):
+    """At alpha 0.05 no draft pays for its row: after a few steps the plan drafts (almost) nothing
+    but one-token probes, and those spend, net of what they win, no more than the exploration
+    budget (plus what each request may bank: one plain step)."""
+    costs = synthetic_costs(per_token=0.002)
+    policy = goodput_policy(costs)
+    sim = Simulation(policy, 4, seed)
+    sim.mean_k(0.05, 20)
+    steps, planned, net = 1000, 0, 0.0
+    for _ in range(steps):
+        plan = policy.plan(sim.view())
+        verified = tuple(Verified(rid, d.method, d.k, accepted_count(sim.rng, 0.05, d.k))
+                         for rid, d in plan.drafts.items())
+        policy.observe(plan, StepOutcome(verified, None))
+        planned += sum(d.k for d in plan.drafts.values() if not d.probe)
+        # a probe adds one verification row, and an accepted one saves a plain token
+        net += sum(0.002 - v.num_accepted * costs.plain_step(4) / 4 for v in verified if plan.drafts[v.request_id].probe)
+    assert planned < 0.01 * steps * 4, planned   # false rises of the change detector draft a little
+    assert 0 < net <= EXPLORE * steps * costs.plain_step(4) + 4 * costs.plain_step(4), net
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_deep_drafts_at_high_acceptance_and_cheap_rows(seed):
+    sim = Simulation(goodput_policy(synthetic_costs(per_token=0.0002)), 1, seed)
+    sim.mean_k(0.95, 20)
+    assert sim.mean_k(0.95, 30) >= 6
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_recovery_after_a_shift(seed):
+    """Acceptance falls from 0.9 to 0: drafting stops within a few steps; it comes back to 0.9: the
+    probes find it and the plan drafts again."""
+    sim = Simulation(goodput_policy(synthetic_costs(per_token=0.001)), 4, seed)
+    assert sim.mean_k(0.9, 30) > 2
+    down = next(t for t in range(100) if sim.mean_k(0.0, 1) < 0.3)
+    assert down <= 10, down
+    sim.mean_k(0.0, 50)
+    up = next((t for t in range(300) if sim.mean_k(0.9, 1) > 1.5), None)
+    assert up is not None and up <= 150, up
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_new_request_starts_from_the_engine_wide_rate(seed):
+    """Requests that finish leave the rate behind: a newcomer drafts at once when traffic accepts."""
+    policy = goodput_policy(synthetic_costs(per_token=0.0005))
+    sim = Simulation(policy, 2, seed)
+    sim.mean_k(0.9, 40)
+    for rid in ("r0", "r1"):
+        policy.on_finish(rid)
+    plan = policy.plan(StepView((Candidate("new", {"ngram": MAX_K}, {"ngram": 0}),)))
+    assert plan.drafts["new"].k >= 3 and not plan.drafts["new"].probe
+
+
+def test_the_dear_forward_of_a_draft_model_limits_depth_where_rows_are_cheap():
+    """One forward per depth: at batch 1 a draft model costing 30% of a target step drafts fewer
+    tokens than a free proposer at the same acceptance, and one costing 3% drafts deep."""
+    for forward, low, high in ((0.006, 1, 4), (0.0006, 4, MAX_K)):
+        policy = goodput_policy(synthetic_costs(per_token=0.0002, draft=(forward, 0.0)), ("draft",))
+        sim = Simulation(policy, 1, 0, methods=("draft",))
+        sim.mean_k(0.8, 20)
+        assert low <= sim.mean_k(0.8, 20) <= high, forward
+
+
+def test_the_free_proposer_wins_at_equal_acceptance():
+    policy = goodput_policy(synthetic_costs(draft=(0.004, 0.0005)), ("draft", "ngram"))
+    sim = Simulation(policy, 2, 0, methods=("draft", "ngram"))
+    for _ in range(20):
+        sim.step(0.8)
+    assert {method for method, k in sim.step(0.8).values() if k} == {"ngram"}
+
+
+def test_a_long_catch_up_is_paid_only_where_drafts_repay_it():
+    """A draft model that must first catch up on 2,000 tokens is not worth one draft at alpha 0.5."""
+    costs = synthetic_costs(draft=(0.002, 0.0002), catch_up_price=0.0001)
+    policy = goodput_policy(costs, ("draft",))
+    for lag, drafts in ((0, True), (2000, False)):
+        view = StepView((Candidate("r", {"draft": MAX_K}, {"draft": lag}),))
+        policy.observe(policy.plan(view), StepOutcome((Verified("r", "draft", 4, 2),), None))
+        plan = policy.plan(view)
+        assert bool(plan.drafts.get("r") and not plan.drafts["r"].probe) == drafts, lag
+
+
+def test_the_plan_respects_what_a_proposer_can_offer():
+    policy = goodput_policy(synthetic_costs(per_token=0.0001))
+    view = StepView((Candidate("r", {"ngram": 2}, {"ngram": 0}), Candidate("s", {"ngram": 0}, {"ngram": 0})))
+    policy.pool["ngram"].observe(8, 8)
+    plan = policy.plan(view)
+    assert plan.drafts["r"].k <= 2 and "s" not in plan.drafts
+
+
+def test_the_confidence_stop_is_the_break_even_chance():
+    """p_min rises with the price of a row: a dear row needs a likelier draft token."""
+    bars = []
+    for per_token in (0.0002, 0.002):
+        policy = goodput_policy(synthetic_costs(per_token=per_token))
+        policy.pool["ngram"].observe(20, 20)
+        draft = policy.plan(StepView((Candidate("r", {"ngram": MAX_K}, {"ngram": 0}),))).drafts["r"]
+        bars.append(draft.p_min)
+    assert 0 < bars[0] < bars[1] < 1
+
+
+def test_static_policy_drafts_gamma_from_the_first_usable_proposer():
+    policy = StaticPolicy(["draft", "ngram"], 4, p_min=0.2)
+    view = StepView((Candidate("a", {"draft": 3, "ngram": 4}, {}), Candidate("b", {"draft": 0, "ngram": 2}, {}),
+                     Candidate("c", {"draft": 0, "ngram": 0}, {})))
+    drafts = policy.plan(view).drafts
+    assert (drafts["a"].method, drafts["a"].k, drafts["a"].p_min) == ("draft", 3, 0.2)
+    assert (drafts["b"].method, drafts["b"].k) == ("ngram", 2) and "c" not in drafts
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 4.0 and expected_tokens(0.0, 4) == 0.0
+
+
+# ---- estimates ----------------------------------------------------------------------
+
+def test_judged_tokens():
+    assert judged_tokens(4, 4) == 4 and judged_tokens(4, 1) == 2 and judged_tokens(4, 0) == 1
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_estimate_follows_the_rate_and_restarts_on_a_shift(seed):
+    rng, rate = random.Random(seed), AcceptanceRate()
+    means = []
+    for _ in range(60):
+        rate.observe(4, accepted_count(rng, 0.9, 4))
+        means.append(rate.mean())
+    assert sum(means[-30:]) / 30 > 0.8
+    steps = 0
+    while rate.mean() > 0.5:
+        rate.observe(4, accepted_count(rng, 0.1, 4))
+        steps += 1
+    assert steps <= 10, steps   # the change detector: forgetting alone takes ~20 steps
+
+
+def test_idle_evidence_ages_toward_the_prior():
+    rate = AcceptanceRate()
+    for _ in range(20):
+        rate.observe(4, 0)
+    before = rate.mean(prior=0.9, weight=4)
+    for _ in range(100):
+        rate.age()
+    assert before < 0.3 < 0.6 < rate.mean(prior=0.9, weight=4)
+    assert rate.upper(0.9, 4) > rate.mean(0.9, 4)
+
+
+# ---- cost tables ----------------------------------------------------------------------
+
+def test_the_target_table_interpolates_and_extrapolates():
+    table = TargetTable()
+    for b, q, seconds in ((1, 1, 0.010), (1, 5, 0.014), (4, 1, 0.012), (4, 5, 0.020)):
+        table.add(b, q, seconds)
+    assert table(1, 1) == pytest.approx(0.010) and table(1, 3) == pytest.approx(0.012)
+    assert table(2, 2) == pytest.approx(0.010 + (0.012 - 0.010) / 3)   # between batches, at q = 1
+    assert table(4, 36) == pytest.approx(0.020 + 0.002 * 4)            # past the last q, linearly
+    assert table(8, 8) == pytest.approx(2 * 0.012)                     # past the largest batch: as many passes
+
+
+def test_one_factor_per_table_follows_the_machine_and_a_stall_moves_it_little():
+    costs = synthetic_costs(draft=(0.002, 0.0005))
+    forward = DraftForward("draft", 4, 0, 1.5 * costs.draft("draft").tabled(4))
+    for _ in range(60):   # a machine 1.5x slower than at start-up
+        costs.observe(PassTiming(4, 8, 1.5 * costs.target.tabled(4, 8), (forward,), 1.0))
+    assert costs.target.correction.factor == pytest.approx(1.5, rel=0.02)
+    assert costs.draft("draft").correction.factor == pytest.approx(1.5, rel=0.02)
+    factor = costs.target.correction.factor
+    costs.observe(PassTiming(4, 8, 100.0, (), 101.0))   # one stall
+    assert costs.target.correction.factor < 1.1 * factor
+
+
+def test_host_overhead_is_the_step_less_its_passes():
+    costs = synthetic_costs()
+    for _ in range(50):
+        costs.observe(PassTiming(1, 1, costs.target(1, 1), (), costs.target(1, 1) + 0.003))
+    assert costs.overhead == pytest.approx(0.003, rel=0.05)
