@@ -38,10 +38,10 @@ PROMPTS = [[POISON, 40, 41, 42], [8, 40, 41], [9, 50, 51, 52, 53], [10, 60]]
 
 # ---- the engine ------------------------------------------------------------------------------------
 
-def make_engine(tiny_pair, **config) -> Engine:
+def make_engine(tiny_pair, adaptive: bool = True, **config) -> Engine:
     target, draft = tiny_pair
     return Engine(EngineConfig(model=str(target), dtype="float32", device="cpu",
-                               speculative={"method": "draft", "model": str(draft)}, **config))
+                               speculative={"method": "draft", "model": str(draft), "adaptive": adaptive}, **config))
 
 
 def run(engine: Engine, prompts) -> dict[str, tuple[list[int], str | None, str | None]]:
@@ -76,6 +76,41 @@ def test_a_failed_step_fails_only_the_request_that_fails_alone(tiny_pair, monkey
     for i, (want, _, _) in enumerate(clean.values(), 1):
         assert results[str(i)] == (want, "length", None)
     assert engine.num_failed_steps == 0
+
+
+def test_the_reruns_of_a_failed_step_teach_acceptance_but_not_step_costs(tiny_pair, monkeypatch):
+    """A failed step's reruns, request by request, are no timing of the step the plan priced:
+    they must leave the cost tables and the host overhead as they were (they fed the drafting
+    scale before, comparing the whole batch's predicted time with one request's), while the
+    drafts they verified still reach the policy."""
+    engine = make_engine(tiny_pair, adaptive=False)   # static: every request drafts every step
+    state = lambda: (engine.costs.target.correction.factor, engine.costs.overhead,
+                     {m: t.correction.factor for m, t in engine.costs.drafts.items()})
+    verified, observe = [], engine.policy.observe
+    engine.policy.observe = lambda plan, outcome: (verified.extend(outcome.verified), observe(plan, outcome))
+    seen, isolate = [], engine._isolate
+
+    def watched(batch, plan, exc):
+        before, judged = state(), len(verified)
+        outputs = isolate(batch, plan, exc)
+        seen.append((before, state(), len(verified) - judged))
+        return outputs
+    engine._isolate = watched
+    verify = engine_module.verify
+
+    def faulty(target, scheduled, proposal):
+        if len(scheduled) > 1 and all(s.is_decode for s in scheduled) and not seen:   # the first batch of decodes
+            raise RuntimeError("injected fault")
+        if len(scheduled) == 1 and not seen:
+            time.sleep(0.05)   # a rerun far slower than any planned step: it would move every factor
+        return verify(target, scheduled, proposal)
+    monkeypatch.setattr(engine_module, "verify", faulty)
+    results = run(engine, PROMPTS[1:])
+    assert all(reason == "length" for _, reason, _ in results.values())
+    (before, after, num_verified), = seen
+    assert after == before
+    assert num_verified == len(PROMPTS[1:])   # each rerun's drafts were judged
+
 
 
 def test_steps_that_fail_everyone_kill_the_engine(tiny_pair, monkeypatch):
