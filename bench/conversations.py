@@ -14,7 +14,6 @@ requests are in flight.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -23,9 +22,8 @@ from pathlib import Path
 from engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-# SPECSERVE_BENCH_QUESTIONS: the file elsewhere (a machine without the shared data beside the checkout)
-QUESTIONS = Path(os.environ.get("SPECSERVE_BENCH_QUESTIONS")
-                 or ROOT.parent / "shared" / "data" / "spec_bench" / "question_dev.jsonl")
+# Spec-Bench's development questions (bench/data/spec_bench: Apache 2.0, see its README and LICENSE)
+QUESTIONS = ROOT / "bench" / "data" / "spec_bench" / "question_dev.jsonl"
 
 
 @dataclass

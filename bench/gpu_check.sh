@@ -17,7 +17,6 @@
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --implementation cp --abi cp312 fastapi uvicorn pydantic -d .cache/gpu/wheels
 #   cp .cache/models/smollm2-135m-instruct/{tokenizer*.json,chat_template.jinja,*config.json} .cache/gpu/tokenizer/
-#   cp ../shared/data/spec_bench/question_dev.jsonl .cache/gpu/     # the device gets no shared/
 set -o pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -56,7 +55,6 @@ for f in src.iterdir():
 EOF
     printf 'model: %s\nserved_model_name: specserve-default\ndtype: bfloat16\nspeculative:\n  method: none\n' \
         "$target" > "$config"
-    [[ -e ../shared/data/spec_bench ]] || export SPECSERVE_BENCH_QUESTIONS=.cache/gpu/question_dev.jsonl
     python bench/serve_bench.py --config "$config" --concurrency ${SERVE_CONCURRENCY:-1,16} --variants ${SERVE_VARIANTS:-ours,graphs} \
         --peers ""
 }

@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-QUESTIONS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench", "question_dev.jsonl")
+QUESTIONS = os.path.join(os.path.dirname(__file__), "data", "spec_bench", "question_dev.jsonl")
 
 
 def chat_prompts(rng: random.Random, count: int = 200) -> list[list[dict]]:

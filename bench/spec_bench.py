@@ -6,7 +6,7 @@ generation and prompt lookup as the peers.
     python bench/spec_bench.py [--config configs/smollm2-draft.yaml] [--per-category 3] [--max-tokens 128]
                                [--concurrency 1 4 16] [--rounds 1] [--no-peers] [--json results.json]
 
-Questions: ../shared/data/spec_bench/question_dev.jsonl (the development half; the first
+Questions: bench/data/spec_bench/question_dev.jsonl (the development half; the first
 --per-category of each category, by question id). Multi-turn questions run turn by turn, the
 model's own answer in the context of the next turn, as Spec-Bench does. Greedy decoding.
 

@@ -17,7 +17,7 @@ The workloads are built here, deterministically (--seed), from what every instal
 - code: "apply this change" prompts over functions taken from Python source shipped in installed
   packages (stdlib, httpx, pydantic, ...): rename an identifier, add a docstring, or add type
   hints; the answer rewrites the whole function, so it copies most of it.
-- chat: the Spec-Bench development questions (../shared/data/spec_bench/question_dev.jsonl), the
+- chat: the Spec-Bench development questions (bench/data/spec_bench/question_dev.jsonl), the
   first --chat-per-category of each category, turn by turn.
 
 Sessions run turn by turn, each session's next turn submitted as soon as its answer is in, with
