@@ -201,7 +201,7 @@ def build_engines(config, concurrency: int, methods: dict, round_index: int) -> 
 def peers(config, spec, questions, args, ours: dict[str, Run], results: dict) -> list[str]:
     from engine.models.loader import load_hf_config
     from engine.setup import resolve_dtype
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     from train.draft_models import hf_model
 
     # transformers in the dtype we serve, or where we compute in fp32 over bf16 weights, its fastest

@@ -30,8 +30,9 @@ class ContextLengthError(ValueError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine cannot go on: the device failed, or max_step_failures steps in a row failed for
-    every request in them. The process should exit so that its orchestrator restarts it."""
+    """The engine cannot go on (the device failed, or max_step_failures steps in a row failed for
+    every request in them), or its loop has stopped: no request can be served. The process should
+    exit so that its orchestrator restarts it."""
 
 
 # Errors after which the device's state is unknown (CUDA's sticky errors): nothing on it is retried.
@@ -48,8 +49,7 @@ class EngineStatus:
     kv_blocks_free: int
     kv_blocks_total: int
     kv_cache_usage: float
-    num_steps: int                  # steps that ran a pass so far: a new step shows as a new count
-    last_stats: StepStats | None    # the newest of them
+    num_steps: int          # steps that ran a pass so far: a new step shows as a new count (last_stats)
 
 
 class Engine:
@@ -117,14 +117,17 @@ class Engine:
         seed, self._next_seed = self._next_seed, self._next_seed + 1_000_003
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request at once (client gone, stop string hit): its blocks go back to the pool."""
+    def abort_request(self, request_id: str) -> Request | None:
+        """Drop a request at once (client gone, stop string hit): its blocks go back to the pool.
+        Returns it, or None when it had finished already (its final output is on its way)."""
         request = self.requests.pop(request_id, None)
-        if request is not None and not request.is_finished:
-            request.finish_reason = "abort"
-            self._publish_blocks(request)   # a chat ended by a stop string comes back as the next turn's prefix
-            self.scheduler.remove(request)
-            self._forget(request_id)
+        if request is None or request.is_finished:
+            return None
+        request.finish_reason = "abort"
+        self._publish_blocks(request)   # a chat ended by a stop string comes back as the next turn's prefix
+        self.scheduler.remove(request)
+        self._forget(request_id)
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -132,7 +135,7 @@ class Engine:
     def status(self) -> EngineStatus:
         pool = self.pool
         return EngineStatus(len(self.requests), len(self.scheduler.running), len(self.scheduler.waiting),
-                            pool.num_free_blocks, pool.num_blocks, pool.usage, self.num_steps, self.last_stats)
+                            pool.num_free_blocks, pool.num_blocks, pool.usage, self.num_steps)
 
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -28,7 +28,7 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", tokenizer: str | None = None,
                  skip_tokenizer_init: bool = False, **engine_options):
         """skip_tokenizer_init: token-id prompts only and no output text (checkpoints without a tokenizer)."""
-        from server.tokenizer import load_tokenizer
+        from engine.tokenizer import load_tokenizer
 
         self.engine = Engine(EngineConfig(model=model, dtype=dtype, **engine_options))
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)

@@ -115,6 +115,10 @@ class DraftTable:
     def __call__(self, rows: int, catch_up: int = 0) -> float:
         return self.correction.factor * self.tabled(rows, catch_up)
 
+    def catch_up(self, tokens: int) -> float:
+        """Seconds a forward spends catching up on this many tokens."""
+        return self.correction.factor * self.catch_up_price * tokens
+
 
 class StepCosts:
     """The tables and the step's host overhead, and what a plan's step costs by them."""
@@ -126,7 +130,9 @@ class StepCosts:
         self._overhead_seen = False
 
     def draft(self, method: str) -> DraftTable:
-        return self.drafts.setdefault(method, DraftTable())
+        if method not in self.drafts:
+            self.drafts[method] = DraftTable()
+        return self.drafts[method]
 
     def plain_step(self, batch_size: int) -> float | None:
         """A plain decode pass of this batch (the step a speculative step replaces, for the metrics);
@@ -141,7 +147,7 @@ class StepCosts:
         seconds = self.target(num_seqs, num_tokens) + self.overhead
         for method, rows in forwards.items():
             table = self.draft(method)
-            seconds += sum(table(r) for r in rows) + table.correction.factor * table.catch_up_price * catch_up.get(method, 0)
+            seconds += sum(table(r) for r in rows) + table.catch_up(catch_up.get(method, 0))
         return seconds
 
     def observe(self, timing: PassTiming) -> None:

@@ -28,7 +28,7 @@ from server.async_engine import Choice
 from server.middleware import GuardMiddleware
 from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_WATCHDOG_TIMEOUT
 from server.serving import Server
-from server.tokenizer import ChatTemplateError, render_chat
+from engine.tokenizer import ChatTemplateError, render_chat
 
 logger = logging.getLogger("specserve.server")
 

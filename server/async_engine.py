@@ -25,16 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from engine.engine import EngineDeadError, EngineStatus
 from engine.outputs import RequestOutput, SpecStats, TokenLogprob
 from engine.sampling_params import SamplingParams
-from server.engine_core import EngineInfo, EngineStatus, ProcessCore, ThreadCore
-from server.tokenizer import TextStream
+from engine.tokenizer import TextStream
+from server.engine_core import EngineInfo, ProcessCore, ThreadCore
 
 logger = logging.getLogger("specserve.server")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
 
 
 class ShuttingDownError(EngineDeadError):
@@ -238,7 +235,7 @@ class AsyncEngine:
         status = self._status
         info = self.info
         if status is None:
-            status = EngineStatus(0, 0, info.num_blocks, info.num_blocks, 0.0)
+            status = EngineStatus(0, 0, 0, info.num_blocks, info.num_blocks, 0.0, 0)
         return {"status": "ok", "num_requests": status.num_requests, "kv_blocks_free": status.kv_blocks_free,
                 "kv_blocks_total": status.kv_blocks_total, "engine": self.core.kind, "engine_pid": info.pid,
                 "engine_threads": info.num_threads, "dtype": info.dtype, "quantization": info.quantization,

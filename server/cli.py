@@ -4,7 +4,7 @@
     specserve distill ...         (forwarded to train.distill.main)
     specserve train-default ...   (forwarded to train.default.main)
     specserve convert-gguf IN.gguf OUT_DIR   (forwarded to engine.models.gguf.main)
-    specserve prepare-default ... (forwarded to server.prepare.main)
+    specserve prepare-default ... (forwarded to engine.models.prepare.main)
     specserve generate ...        (forwarded to train.generate.main)
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ FORWARDED = {"distill": ("train.distill", "distill a draft model from a target (
              "train-default": ("train.default", "train the embedded default model pair "
                                                 "(see `specserve train-default --help`)"),
              "convert-gguf": ("engine.models.gguf", "write a safetensors checkpoint directory from a GGUF file"),
-             "prepare-default": ("server.prepare", "install and convert the default target into .cache/"),
+             "prepare-default": ("engine.models.prepare", "install and convert the default target into .cache/"),
              "generate": ("train.generate", "the target's own answers to a prompt set, as chat JSONL for distill")}
 
 SERVE_EPILOG = f"""\
@@ -77,7 +77,7 @@ def serve(config: ServerConfig) -> int:
     from server.api import create_app
     from server.http import SHUTDOWN_BACKSTOP_S, DrainingServer
     from server.metrics import Metrics
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     try:
         engine, info = _start_engine(config)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
+from engine.engine import EngineStatus
 from engine.outputs import RequestOutput, RequestTiming
 
 logger = logging.getLogger("specserve.server")
@@ -66,16 +67,6 @@ class EngineInfo:
                    engine.pool.num_blocks, engine.pool.block_size, engine.gamma, torch.get_num_threads(), os.getpid())
 
 
-@dataclass(frozen=True)
-class EngineStatus:
-    """The engine's state after a step (for /health and the gauges that steps set)."""
-    num_requests: int
-    num_running: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    kv_cache_usage: float
-
-
 class EngineCore:
     """The loop. `inbox.get(block)` returns the commands queued so far (waiting for one when block)
     or None to stop; `inbox.pause()` waits briefly for a command; `send(message)` delivers."""
@@ -84,7 +75,7 @@ class EngineCore:
         self.engine, self.inbox, self.send = engine, inbox, send
 
     def run(self) -> None:
-        last_stats = None
+        last_step = 0
         try:
             while True:
                 commands = self.inbox.get(block=not self.engine.has_unfinished_requests())
@@ -95,23 +86,20 @@ class EngineCore:
                     self.send(("idle", self.status()))
                     continue
                 outputs = self.engine.step()
-                stats = self.engine.last_stats
-                fresh = stats if stats is not last_stats else None
-                last_stats = stats
-                if fresh is None and not outputs:
+                status = self.status()
+                fresh = status is not None and status.num_steps != last_step   # a step ran a pass
+                last_step = status.num_steps if status is not None else 0
+                if not fresh and not outputs:
                     self.inbox.pause()   # nothing could be scheduled this time: do not spin
                     continue
-                self.send(("step", outputs, fresh, self.status()))
+                self.send(("step", outputs, self.engine.last_stats if fresh else None, status))
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop is reported, not re-raised
             logger.exception("the engine loop died")
             self.send(("dead", f"the engine loop died: {type(exc).__name__}: {exc}"))
 
     def status(self) -> EngineStatus | None:
-        pool = getattr(self.engine, "pool", None)   # test doubles of the engine may have none
-        if pool is None:
-            return None
-        return EngineStatus(len(self.engine.requests), len(self.engine.scheduler.running), pool.num_free_blocks,
-                            pool.num_blocks, pool.usage)
+        status = getattr(self.engine, "status", None)   # test doubles of the engine may have none
+        return status() if status is not None else None
 
     def _apply(self, commands: list[tuple]) -> None:
         added = []
@@ -129,8 +117,7 @@ class EngineCore:
             self.send(("added", added))
 
     def _abort(self, request_id: str, reason: str) -> None:
-        request = self.engine.requests.get(request_id)
-        self.engine.abort_request(request_id)
+        request = self.engine.abort_request(request_id)
         if request is None:
             return   # it had finished already: its final output is on its way
         # The engine sends no final output for an aborted request: this one stands in for it.

@@ -22,7 +22,7 @@ from server.async_engine import (
     AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError, ShuttingDownError,
 )
 from server.config import DEFAULT_WATCHDOG_TIMEOUT
-from server.tokenizer import TextStream, TokenStrings
+from engine.tokenizer import TextStream, TokenStrings
 
 logger = logging.getLogger("specserve.server")
 

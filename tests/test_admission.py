@@ -27,7 +27,7 @@ def build(tiny_pair, **options):
     from engine.engine import Engine
     from server.api import create_app
     from server.metrics import Metrics
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     torch.set_num_threads(1)
     target, _ = tiny_pair
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=2))

@@ -132,7 +132,7 @@ def test_help_documents_every_option():
 
 @pytest.mark.parametrize("command, module", [("distill", "train.distill"), ("train-default", "train.default"),
                                              ("generate", "train.generate"), ("convert-gguf", "engine.models.gguf"),
-                                             ("prepare-default", "server.prepare")])
+                                             ("prepare-default", "engine.models.prepare")])
 def test_training_subcommands_forward_argv(monkeypatch, command, module):
     calls = []
     monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(main=lambda argv: calls.append(argv) or 0))

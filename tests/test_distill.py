@@ -185,7 +185,7 @@ def write_chat_jsonl(path, count=60, seed=0):
 def test_chat_examples_train_on_the_answer_only(chat_target):
     from helpers import IM_END_ID
 
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     from train.chat_data import IGNORE, collate, render
 
     tokenizer = load_tokenizer(str(chat_target))

@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.models.gguf import GGUFCheckpoint, find_gguf, permute_rotary, unpermute_rotary, write_gguf
 from engine.models.loader import load_hf_config, load_model
 from helpers import make_tiny_checkpoint
-from server.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66]
 

@@ -209,7 +209,7 @@ def test_completions_echo_logprobs_over_http(checkpoints, reference):
     from engine.config import EngineConfig
     from engine.engine import Engine
     from server.api import create_app
-    from server.tokenizer import TokenStrings, load_tokenizer
+    from engine.tokenizer import TokenStrings, load_tokenizer
 
     engine = Engine(EngineConfig(model=str(checkpoints[0]), dtype="float32", device="cpu",
                                  max_num_batched_tokens=16))

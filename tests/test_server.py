@@ -129,7 +129,7 @@ def assert_error(response: httpx.Response, status: int, param=None, code=None) -
 
 def test_detokenizer_never_splits_multibyte_characters():
     from helpers import make_tokenizer
-    from server.tokenizer import IncrementalDetokenizer
+    from engine.tokenizer import IncrementalDetokenizer
 
     tokenizer = make_tokenizer()
     text = "héllo €uro 😀 ok"
@@ -142,7 +142,7 @@ def test_detokenizer_never_splits_multibyte_characters():
 
 
 def test_stop_matcher_holds_possible_prefixes_and_never_leaks():
-    from server.tokenizer import StopStringMatcher
+    from engine.tokenizer import StopStringMatcher
 
     matcher = StopStringMatcher(["STOP", "xyz"])
     assert matcher.push("abcS") == ("abc", False)
@@ -179,7 +179,7 @@ class CountingEngine:
         self.requests[request_id] = CountingRequest(params.max_tokens, len(prompt_token_ids))
 
     def abort_request(self, request_id):
-        self.requests.pop(request_id, None)
+        return self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self):
         self.polls += 1
@@ -509,7 +509,7 @@ def make_server(tiny_pair):
     from engine.engine import Engine
     from server.api import create_app
     from server.metrics import Metrics
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     torch.set_num_threads(1)
     target, draft = tiny_pair
 
@@ -552,10 +552,10 @@ def test_engine_failure_of_one_request_is_a_500(make_server, monkeypatch):
     poison = 7
     propose = engine.proposer.propose
 
-    def failing_propose(scheduled):
+    def failing_propose(scheduled, plan):
         if any(s.request.token_ids[0] == poison and s.request.num_output_tokens >= 2 for s in scheduled):
             raise RuntimeError("injected failure")
-        return propose(scheduled)
+        return propose(scheduled, plan)
     monkeypatch.setattr(engine.proposer, "propose", failing_propose)
     body = {"model": MODEL, "prompt": [poison, 65, 66], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
     with server:
@@ -586,7 +586,7 @@ def test_dead_engine_loop_is_503(make_server, monkeypatch):
 
 
 def test_chat_without_template_is_a_clear_400(make_server, tiny_pair):
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(str(tiny_pair[0]))
     tokenizer.chat_template = None
     _, server = make_server(tokenizer=tokenizer)
@@ -612,7 +612,7 @@ def scripted_server(tmp_path_factory):
     from helpers import make_scripted_checkpoint
     from server.api import create_app
     from server.metrics import Metrics
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     torch.set_num_threads(1)
     path = str(make_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model", SCRIPT))
     engine = Engine(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=8,

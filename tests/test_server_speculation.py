@@ -34,7 +34,7 @@ def build_server(target, speculative: dict) -> InProcessServer:
     from engine.engine import Engine
     from server.api import create_app
     from server.metrics import Metrics
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     torch.set_num_threads(1)
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=128,
                                  max_num_seqs=8, speculative=speculative))

@@ -124,7 +124,7 @@ def sampling(rng: random.Random, body: dict, abort: bool) -> list[str]:
 
 
 def make_spec(rng: random.Random, index: int, tokenizer) -> Spec:
-    from server.tokenizer import render_chat
+    from engine.tokenizer import render_chat
     abort = None
     if rng.random() < ABORT_FRACTION:
         abort = ("events", rng.randint(1, 3)) if rng.random() < 0.5 else ("timeout", rng.uniform(0.02, 0.5))
@@ -355,7 +355,7 @@ def mib(num_bytes: float) -> str:
 # ---- the soak -----------------------------------------------------------------------------------
 
 def test_soak_mixed_requests_lose_nothing_and_leak_nothing(tiny_pair, tmp_path):
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     target, draft = tiny_pair
     tokenizer = load_tokenizer(str(target))
     rng = random.Random(SEED)

@@ -25,7 +25,7 @@ def url(tiny_pair):
     from engine.config import EngineConfig
     from engine.engine import Engine
     from server.api import create_app
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     torch.set_num_threads(1)
     target, _ = tiny_pair
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=32, max_num_seqs=4))

@@ -86,7 +86,7 @@ def held_out_acceptance(target: Path, draft: Path, answers: Path, gamma: int, co
 
 
 def main(argv: list[str] | None = None) -> int:
-    from server.prepare import prepare_default_target
+    from engine.models.prepare import prepare_default_target
 
     args = parse_args(argv)
     run_dir, models_dir = Path(args.run_dir), Path(args.models_dir)

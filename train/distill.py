@@ -180,7 +180,7 @@ class ChatData:
     """Conversations (chat JSONL), loss on the last assistant turn."""
 
     def __init__(self, cfg: DistillConfig, path: Path, pad_id: int):
-        from server.tokenizer import load_tokenizer
+        from engine.tokenizer import load_tokenizer
 
         examples = load_chat_jsonl(path, load_tokenizer(cfg.target))
         self.train, held = split_examples(examples, cfg.held_out_every)
@@ -206,7 +206,7 @@ def _fast_tokenizer(target_dir: str):
         from tokenizers import Tokenizer
 
         return Tokenizer.from_file(str(tok_json))
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     hf = load_tokenizer(target_dir)
     if getattr(hf, "backend_tokenizer", None) is None:

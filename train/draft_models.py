@@ -139,7 +139,7 @@ def export_draft(draft, out_dir: Path, target_dir: Path, save_format: str, save_
     """The serving copy: a Hugging Face directory (safetensors in save_dtype, the target's tokenizer
     files), or one GGUF file carrying the target's tokenizer (quantized weights fit where bf16 would not)."""
     from engine.models.gguf import write_gguf
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if save_format == "gguf":

@@ -14,9 +14,9 @@ verification made of it; `on_finish` forgets a request. Two policies:
   requests can cost more than they yield) and the best kept, twice, the second time at the goodput
   the first found. A plan must beat plain decoding by HURDLE: predictions err by about as much,
   and plain decoding is the safe side of a close call.
-  Exploration: a request planned at k = 0 probes one draft token when the optimistic bound of its
-  acceptance says a draft could pay, paid from a budget of EXPLORE of its share of plain decoding
-  (a probe's accepted token refunds a plain token's time). Idle evidence ages (estimates.py), so
+  Exploration: requests planned at k = 0 probe with the drafts the optimistic bound of their
+  acceptance would plan, when that bound says drafting could pay, paid from a budget of EXPLORE of
+  plain decoding (each accepted probe token refunds a plain token's time). Idle evidence ages (estimates.py), so
   the bound widens and a request whose acceptance may have come back is tested again.
   Confidence stop: a drafting request stops once its draft's own chance of its tokens so far falls
   below the break-even chance of one more draft token.
@@ -34,7 +34,7 @@ from engine.step_costs import PassTiming, StepCosts
 
 MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position
 HURDLE = 0.03    # a plan must promise this much more goodput than plain decoding
-EXPLORE = 0.02   # share of a request's plain decoding time that probes may spend (net of what they win)
+EXPLORE = 0.02   # share of plain decoding time that probes may spend (net of what they win)
 
 
 @dataclass(frozen=True)
@@ -124,22 +124,20 @@ class _Choice:
     row: float
 
 
-@dataclass
-class _RequestState:
-    rates: dict[str, AcceptanceRate] = field(default_factory=dict)
-    credit: float = 0.0     # exploration budget, seconds
-    refund: float = 0.0     # seconds a probe's accepted token is worth (a plain token, when it was planned)
-
-
 class GoodputPolicy:
     def __init__(self, methods: list[str], max_k: int, costs: StepCosts, p_min: float | None = None):
         self.methods, self.max_k, self.costs, self.fixed_p_min = list(methods), max_k, costs, p_min
         self.pool = {m: AcceptanceRate(POOL_FORGET) for m in self.methods}   # the engine-wide rate per proposer
-        self.states: dict[str, _RequestState] = {}
+        self.rates: dict[str, dict[str, AcceptanceRate]] = {}   # request id -> proposer -> its own rate
+        self.credit = 0.0   # the exploration budget, seconds
+        self.refund = 0.0   # seconds an accepted probe token is worth (a plain token at the probe's batch)
 
     # ---- estimates ---------------------------------------------------------------
     def _own(self, rid: str, method: str) -> AcceptanceRate:
-        return self.states.setdefault(rid, _RequestState()).rates.setdefault(method, AcceptanceRate())
+        rates = self.rates.setdefault(rid, {})
+        if method not in rates:
+            rates[method] = AcceptanceRate()
+        return rates[method]
 
     def acceptance(self, rid: str, method: str) -> float:
         return self._own(rid, method).mean(self.pool[method].mean(), PRIOR_WEIGHT)
@@ -156,9 +154,10 @@ class GoodputPolicy:
         plain_time = self._time(view, {})
         plain_rate = len(candidates) / plain_time
         token = (self.costs.target(seqs, base + seqs) - self.costs.target(seqs, base)) / seqs
+        rows = self._row_prices(token, len(candidates))
         shadow, ks, best_rate = plain_rate, {}, plain_rate
         for _ in range(2):   # the second round prices drafts at the goodput the first found
-            choices = {c.request_id: self._choose(c, shadow, token, len(candidates)) for c in candidates}
+            choices = {c.request_id: self._choose(c, shadow, rows) for c in candidates}
             choices = {rid: choice for rid, choice in choices.items() if choice is not None}
             depth_ks, depth_rate = self._best_depth(view, choices)
             if depth_rate > best_rate:
@@ -166,23 +165,28 @@ class GoodputPolicy:
             shadow = max(shadow, depth_rate)
         if best_rate < (1.0 + HURDLE) * plain_rate:
             ks = {}
-        drafts = {rid: Draft(method, k, self._p_min(shadow, choices.get(rid), token)) for rid, (method, k) in ks.items()}
-        drafts.update(self._probes(view, drafts, shadow, plain_time))
+        drafts = {rid: Draft(method, k, self._p_min(shadow, rows[method])) for rid, (method, k) in ks.items()}
+        drafts.update(self._probes(view, drafts, shadow, plain_time, rows))
         planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
         return StepPlan(drafts, self._time(view, planned) - self.costs.overhead)
 
-    def _choose(self, c: Candidate, shadow: float, token: float, batch: int) -> _Choice | None:
+    def _row_prices(self, token: float, batch: int) -> dict[str, float]:
+        """Seconds of one draft token per proposer: a target row, and for a model proposer its share
+        of a forward over the batch."""
+        return {m: token + (self.costs.draft(m)(batch) / batch if m in MODEL_PROPOSERS else 0.0) for m in self.methods}
+
+    def _choose(self, c: Candidate, shadow: float, rows: dict[str, float], optimistic: bool = False
+                ) -> _Choice | None:
         """The proposer and k that net this request the most expected tokens less their seconds
-        at the shadow price; None when no draft pays."""
+        at the shadow price (at the optimistic bound of acceptance, if asked); None when no draft pays."""
         best, best_value = None, 0.0
         for method in self.methods:
             cap = c.caps.get(method, 0)
             if cap <= 0:
                 continue
-            a, row, first = self.acceptance(c.request_id, method), token, 0.0
-            if method in MODEL_PROPOSERS:   # its share of a forward over the batch, and its catch-up
-                table = self.costs.draft(method)
-                row, first = row + table(batch) / batch, table(1, c.lags.get(method, 0)) - table(1)
+            a = (self.optimistic if optimistic else self.acceptance)(c.request_id, method)
+            row = rows[method]
+            first = self.costs.draft(method).catch_up(c.lags.get(method, 0)) if method in MODEL_PROPOSERS else 0.0
             bar = shadow * row   # the chance a draft token needs to pay for its row
             if a <= bar:
                 continue
@@ -219,37 +223,34 @@ class GoodputPolicy:
         return self.costs.step_time(len(view.candidates) + view.num_prefill_seqs,
                                     len(view.candidates) + view.num_prefill_tokens + num_drafts, forwards, catch_up)
 
-    def _p_min(self, shadow: float, choice: _Choice | None, token: float) -> float:
+    def _p_min(self, shadow: float, row: float) -> float:
         """The break-even chance of one more draft token: its row priced at the step's goodput."""
         if self.fixed_p_min is not None:
             return self.fixed_p_min
-        return min(1.0, shadow * (choice.row if choice else token))
+        return min(1.0, shadow * row)
 
-    def _probes(self, view: StepView, drafts: dict[str, Draft], shadow: float, plain_time: float) -> dict[str, Draft]:
-        """One-token probes for idle requests whose optimistic rate says a draft could pay, richest
-        first, each while its credit covers what it adds to the step."""
+    def _probes(self, view: StepView, drafts: dict[str, Draft], shadow: float, plain_time: float,
+                rows: dict[str, float]) -> dict[str, Draft]:
+        """A probe step: every idle request whose optimistic rate says drafting could pay drafts what
+        that rate would plan, once the exploration budget covers what they add to the step. The
+        budget saves up to one such step (probes that share a draft model's forwards cost less
+        together than one by one), and at least one plain step."""
         idle = [c for c in view.candidates if c.request_id not in drafts and any(c.caps.values())]
-        share = plain_time / len(view.candidates)   # a request's share of a plain step
-        planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
-        probes, time = {}, self._time(view, planned)
         for c in idle:
-            state = self.states.setdefault(c.request_id, _RequestState())
-            state.credit = min(state.credit + EXPLORE * share, plain_time)
             for method in (m for m in self.methods if c.caps.get(m, 0) > 0):
                 self._own(c.request_id, method).age()
-        for c in sorted(idle, key=lambda c: -self.states[c.request_id].credit):
-            state = self.states[c.request_id]
-            usable = [m for m in self.methods if c.caps.get(m, 0) > 0]
-            method = max(usable, key=lambda m: self.optimistic(c.request_id, m))
-            with_probe = self._time(view, {**planned, c.request_id: (method, 1)})
-            price = with_probe - time
-            if self.optimistic(c.request_id, method) <= shadow * price or state.credit < price:
-                continue
-            state.credit -= price
-            state.refund = share
-            planned[c.request_id], time = (method, 1), with_probe
-            probes[c.request_id] = Draft(method, 1, 0.0, probe=True)
-        return probes
+        self.credit += EXPLORE * plain_time
+        self.refund = plain_time / len(view.candidates)   # a plain token at this batch
+        choices = {c.request_id: self._choose(c, shadow, rows, optimistic=True) for c in idle}
+        choices = {rid: choice for rid, choice in choices.items() if choice is not None}
+        planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
+        price = self._time(view, {**planned, **{rid: (c.method, c.k) for rid, c in choices.items()}}) - \
+            self._time(view, planned) if choices else 0.0
+        self.credit = min(self.credit, max(price, plain_time))
+        if not choices or self.credit < price:
+            return {}
+        self.credit -= price
+        return {rid: Draft(c.method, c.k, self._p_min(shadow, c.row), probe=True) for rid, c in choices.items()}
 
     # ---- feedback ------------------------------------------------------------------
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
@@ -259,9 +260,8 @@ class GoodputPolicy:
             self._own(v.request_id, v.method).observe(v.num_drafted, v.num_accepted)
             self.pool[v.method].observe(v.num_drafted, v.num_accepted)
             draft = plan.drafts.get(v.request_id)
-            if draft is not None and draft.probe:
-                state = self.states[v.request_id]
-                state.credit += v.num_accepted * state.refund
+            if draft is not None and draft.probe:   # what a probe wins pays for probing
+                self.credit += v.num_accepted * self.refund
 
     def on_finish(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        self.rates.pop(request_id, None)

@@ -1,6 +1,7 @@
-"""Text side of the server: chat templates, incremental detokenization, stop strings, token strings.
+"""Text: chat templates, incremental detokenization, stop strings, token strings.
 
-The engine works in token ids only; everything that knows about text lives here.
+The engine core works in token ids only; everything that knows about text lives here, for the
+server and for the offline API (engine/llm.py).
 """
 from __future__ import annotations
 
