@@ -9,7 +9,7 @@ TARGET  := .cache/models/smollm2-135m-instruct
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: serve test bench install models clean promtool target
+.PHONY: serve test test-fast bench install models clean promtool target
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ serve: $(STAMP) $(TARGET)/config.json
 
 test: $(STAMP) $(TARGET)/config.json promtool
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests marked slow (real server processes, soaks, live
+# Prometheus, chi-square checks, training); `make test` runs them all.
+test-fast: $(STAMP) $(TARGET)/config.json promtool
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # promtool (Debian's prometheus package) checks deploy/prometheus. If it cannot be installed, the
 # target fails under CI (CI set, and not 0/false/no), as tests/ci.py fails the checks that need it;

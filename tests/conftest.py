@@ -144,10 +144,18 @@ def sse_events(response) -> list:
     return events
 
 
+# Fixtures that start real server processes: their tests are slow (`make test-fast` skips them).
+SERVER_PROCESS_FIXTURES = {"launched"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu` tests need CUDA: skip them, with the reason, where there is none."""
+    """Tests on real server processes are slow; `@pytest.mark.gpu` tests need CUDA: skip them,
+    with the reason, where there is none."""
     import torch
 
+    for item in items:
+        if SERVER_PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

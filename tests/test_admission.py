@@ -166,6 +166,7 @@ def test_openapi_documents_the_errors_really_sent(guarded):
             assert {"400", "401", "404", "413", "429", "500", "503"} <= codes, (path, codes)
 
 
+@pytest.mark.slow   # a real server fuzzed
 def test_schemathesis_finds_no_server_errors(tiny_pair, tmp_path):
     """Requests generated from /openapi.json (schemathesis, a few examples per operation): every
     answer is below 500 and follows the documented schema of its status."""

@@ -12,6 +12,8 @@ from ci import in_ci
 from engine import LLM, SamplingParams
 from server.config import read_yaml
 
+pytestmark = pytest.mark.slow   # the default pair, loaded and decoded for real
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = read_yaml(str(ROOT / "configs" / "default.yaml"))
 PAIR = read_yaml(str(ROOT / "configs" / "smollm2-draft.yaml"))

@@ -13,6 +13,8 @@ from train import distill as distill_mod
 from train.distill import DistillConfig, distill, expected_tokens_per_step, main
 from helpers import run_requests, train_bpe_tokenizer
 
+pytestmark = pytest.mark.slow   # training
+
 WORDS = ["def", "return", "self", "value", "index", "None", "for", "in", "if", "else", "import",
          "class", "print", "range", "len", "items", "key", "data", "result", "True", "False"]
 

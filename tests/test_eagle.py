@@ -218,6 +218,7 @@ def exact_three_tokens(path: str, prompt: list[int], params: SamplingParams) -> 
     return joint
 
 
+@pytest.mark.slow   # chi-square: thousands of samples
 def test_eagle_sampling_matches_the_target_distribution(paths):
     """Sampled tokens through the head's drafts (rejection sampling against its q) follow the
     target's distribution: chi-square of the first three tokens (t2, t3 drafted and judged), with

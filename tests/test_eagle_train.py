@@ -13,6 +13,8 @@ from helpers import IM_END_ID, IM_START_ID, make_tiny_checkpoint
 from train.common import TrainError
 from train.eagle import EagleConfig, EagleHeadTrainer, head_logits_teacher_forced, train_eagle
 
+pytestmark = pytest.mark.slow   # training
+
 HEAD_TENSORS = ["fc.weight", "layer.input_layernorm.weight", "layer.self_attn.q_proj.weight",
                 "layer.self_attn.k_proj.weight", "layer.self_attn.v_proj.weight", "layer.self_attn.o_proj.weight",
                 "layer.post_attention_layernorm.weight", "layer.mlp.gate_proj.weight", "layer.mlp.up_proj.weight",

@@ -17,6 +17,8 @@ import pytest
 
 from conftest import ServerProcess, sse_events
 
+pytestmark = pytest.mark.slow   # real server processes
+
 MODEL = "tiny"
 FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
          "--max-num-seqs", "8"]

@@ -180,6 +180,7 @@ def streamed_text(url: str, prompt, started: threading.Event, **body) -> str:
     return "".join(parts)
 
 
+@pytest.mark.slow   # a real server process
 def test_a_poisoned_request_fails_alone_in_a_real_server(tiny_pair, tmp_path):
     server = server_with_faults(tiny_pair, tmp_path, {"poison": POISON, "step_delay": 0.05})
     try:
@@ -203,6 +204,7 @@ def test_a_poisoned_request_fails_alone_in_a_real_server(tiny_pair, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow   # a real server process
 def test_a_device_error_fails_requests_in_flight_and_exits_1(tiny_pair, tmp_path):
     server = server_with_faults(tiny_pair, tmp_path, {"fatal": POISON, "step_delay": 0.02})
     try:
@@ -220,6 +222,7 @@ def test_a_device_error_fails_requests_in_flight_and_exits_1(tiny_pair, tmp_path
         server.stop()
 
 
+@pytest.mark.slow   # a real server process
 def test_sigterm_drains_then_ends_what_is_left(tiny_pair, tmp_path):
     # The long stream needs at least 96 passes of 0.1 s (5 tokens a pass at most): it outlasts the drain.
     server = server_with_faults(tiny_pair, tmp_path, {"step_delay": 0.1}, "--shutdown-timeout", "3")

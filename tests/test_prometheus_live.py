@@ -33,6 +33,8 @@ from conftest import ServerProcess, free_port, stop_process
 from promql import (adapter_rules, dashboard_queries, expand_adapter_query, fill_grafana_variables,
                     hpa_metric_names, load_dashboard, template_variable_queries)
 
+pytestmark = pytest.mark.slow   # a real server scraped by a real Prometheus
+
 MODEL = "tiny-live"
 NAMESPACE, POD = "specserve-test", "specserve-0"   # target labels, as the ServiceMonitor's scrape adds them
 LOAD_SECONDS = 12

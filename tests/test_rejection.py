@@ -322,6 +322,7 @@ def run_statistical(sampler, one_hot_drafts: bool, unseeded: bool = False) -> tu
     return chi_square_pvalues(target, first_three_tokens(target, out))
 
 
+@pytest.mark.slow   # chi-square: thousands of samples
 @pytest.mark.parametrize("unseeded", [False, True], ids=["own-generators", "global-rng"])
 @pytest.mark.parametrize("one_hot_drafts", [False, True], ids=["draft-probs", "one-hot-drafts"])
 def test_emitted_tokens_follow_the_target_distribution(one_hot_drafts, unseeded):

@@ -11,6 +11,8 @@ import pytest
 from conftest import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.slow   # a real server process
+
 MODEL = "tiny-metrics"
 
 

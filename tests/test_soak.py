@@ -41,9 +41,12 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ServerProcess, wait_until_idle
+
+pytestmark = pytest.mark.slow   # a soak: minutes of mixed traffic
 
 MODEL = "tiny"
 SEED = 15

@@ -367,6 +367,7 @@ def run_case(target: str, draft: str, case: str, num: int = SAMPLES) -> tuple[np
     return counts, acceptance, exact_distribution(target, prompt, params)
 
 
+@pytest.mark.slow   # chi-square: thousands of samples
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
 def test_speculative_sampling_matches_target_distribution(small_vocab_pair, case):
     counts, acceptance, probs = run_case(*small_vocab_pair, case)
@@ -403,6 +404,7 @@ def bonus_from_last_draft_row(target_probs, draft_ids, num_drafts, draft_probs, 
     return rejection_sample(shifted, draft_ids, num_drafts, draft_probs, is_greedy, generators, coupled_choice)
 
 
+@pytest.mark.slow   # chi-square: thousands of samples
 @pytest.mark.parametrize("broken", [recover_from_p, bonus_from_last_draft_row])
 def test_chi_square_catches_a_subtly_broken_sampler(small_vocab_pair, monkeypatch, broken):
     monkeypatch.setattr(engine.verify, "rejection_sample", broken)
@@ -411,6 +413,7 @@ def test_chi_square_catches_a_subtly_broken_sampler(small_vocab_pair, monkeypatc
     assert min(pvalues.values()) < P_MIN, pvalues
 
 
+@pytest.mark.slow   # chi-square: thousands of samples
 def test_chi_square_catches_noise_reused_across_positions(small_vocab_pair, monkeypatch):
     """Coupled sampling is exact only if every output position has its own noise."""
     from engine.sampler import PositionalNoise
