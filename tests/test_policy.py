@@ -254,3 +254,11 @@ def test_host_overhead_is_the_step_less_its_passes():
     for _ in range(50):
         costs.observe(PassTiming(1, 1, costs.target(1, 1), (), costs.target(1, 1) + 0.003))
     assert costs.overhead == pytest.approx(0.003, rel=0.05)
+
+
+def test_a_certain_optimistic_rate_drafts_what_the_proposer_offers():
+    """An upper bound of 1 (little evidence, a high prior) prices every draft as sure to pass."""
+    policy = goodput_policy(synthetic_costs(per_token=0.0002))
+    policy.optimistic = lambda rid, method: 1.0
+    choice = policy._choose(Candidate("r", {"ngram": 5}, {"ngram": 0}), 10.0, {"ngram": 0.001}, optimistic=True)
+    assert choice.k == 5

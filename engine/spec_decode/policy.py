@@ -190,7 +190,7 @@ class GoodputPolicy:
             bar = shadow * row   # the chance a draft token needs to pay for its row
             if a <= bar:
                 continue
-            k = cap if bar <= 0 else min(cap, int(math.log(bar) / math.log(a)))
+            k = cap if bar <= 0 or a >= 1.0 else min(cap, int(math.log(bar) / math.log(a)))
             value = expected_tokens(a, k) - shadow * (k * row + first)
             if k > 0 and value > best_value:
                 best, best_value = _Choice(method, k, a, row), value
