@@ -198,7 +198,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec.adaptive:
         policy: Policy = GoodputPolicy(list(proposers), spec.gamma, costs, spec.draft_p_min)
     else:
-        policy = StaticPolicy(list(proposers), spec.gamma, spec.draft_p_min)
+        policy = StaticPolicy(list(proposers), spec.gamma, costs, spec.draft_p_min)
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
         _calibrate(costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)

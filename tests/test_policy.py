@@ -180,12 +180,22 @@ def test_the_confidence_stop_is_the_break_even_chance():
 
 
 def test_static_policy_drafts_gamma_from_the_first_usable_proposer():
-    policy = StaticPolicy(["draft", "ngram"], 4, p_min=0.2)
-    view = StepView((Candidate("a", {"draft": 3, "ngram": 4}, {}), Candidate("b", {"draft": 0, "ngram": 2}, {}),
-                     Candidate("c", {"draft": 0, "ngram": 0}, {})))
-    drafts = policy.plan(view).drafts
+    costs = synthetic_costs()
+    policy = StaticPolicy(["draft", "ngram"], 4, costs, p_min=0.2)
+    view = StepView((Candidate("a", {"draft": 3, "ngram": 4}, {"draft": 0}),
+                     Candidate("b", {"draft": 0, "ngram": 2}, {}), Candidate("c", {"draft": 0, "ngram": 0}, {})))
+    plan = policy.plan(view)
+    drafts = plan.drafts
     assert (drafts["a"].method, drafts["a"].k, drafts["a"].p_min) == ("draft", 3, 0.2)
     assert (drafts["b"].method, drafts["b"].k) == ("ngram", 2) and "c" not in drafts
+    # priced like any plan, so the metrics compare its predicted and measured time
+    assert plan.predicted_time == pytest.approx(
+        costs.step_time(3, 3 + 5, {"draft": [1, 1, 1]}, {"draft": 0}) - costs.overhead)
+
+
+def test_a_static_policy_without_cost_tables_predicts_nothing():
+    plan = StaticPolicy(["ngram"], 4, StepCosts()).plan(StepView((Candidate("a", {"ngram": 4}, {}),)))
+    assert plan.drafts["a"].k == 4 and plan.predicted_time is None
 
 
 def test_expected_tokens():

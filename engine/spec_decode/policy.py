@@ -89,11 +89,37 @@ class Policy(Protocol):
     def on_finish(self, request_id: str) -> None: ...
 
 
+def plan_time(costs: StepCosts, view: StepView, ks: dict[str, tuple[str, int]]) -> float:
+    """The step's seconds by the cost tables, with these drafts (request id -> proposer, k)."""
+    forwards: dict[str, list[int]] = {}
+    catch_up: dict[str, int] = {}
+    lags = {c.request_id: c.lags for c in view.candidates}
+    for rid, (method, k) in ks.items():
+        if method in MODEL_PROPOSERS:
+            rows = forwards.setdefault(method, [])
+            rows += [0] * (k - len(rows))
+            for j in range(k):
+                rows[j] += 1
+            catch_up[method] = catch_up.get(method, 0) + lags[rid].get(method, 0)
+    num_drafts = sum(k for _, k in ks.values())
+    return costs.step_time(len(view.candidates) + view.num_prefill_seqs,
+                           len(view.candidates) + view.num_prefill_tokens + num_drafts, forwards, catch_up)
+
+
+def priced(costs: StepCosts, view: StepView, drafts: dict[str, Draft]) -> StepPlan:
+    """The plan with its passes' predicted seconds (the step's time less its host overhead), which
+    the metrics set against the measured draft + verify time."""
+    if not costs.target.rows:
+        return StepPlan(drafts)
+    planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
+    return StepPlan(drafts, plan_time(costs, view, planned) - costs.overhead)
+
+
 class StaticPolicy:
     """gamma drafts (or as many as the proposer offers) every step, from the first usable proposer."""
 
-    def __init__(self, methods: list[str], gamma: int, p_min: float | None = None):
-        self.methods, self.gamma, self.p_min = list(methods), gamma, p_min or 0.0
+    def __init__(self, methods: list[str], gamma: int, costs: StepCosts, p_min: float | None = None):
+        self.methods, self.gamma, self.costs, self.p_min = list(methods), gamma, costs, p_min or 0.0
 
     def plan(self, view: StepView) -> StepPlan:
         drafts = {}
@@ -101,7 +127,7 @@ class StaticPolicy:
             method = next((m for m in self.methods if c.caps.get(m, 0) > 0), None)
             if method is not None:
                 drafts[c.request_id] = Draft(method, min(self.gamma, c.caps[method]), self.p_min)
-        return StepPlan(drafts)
+        return priced(self.costs, view, drafts)
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
         pass
@@ -167,8 +193,7 @@ class GoodputPolicy:
             ks = {}
         drafts = {rid: Draft(method, k, self._p_min(shadow, rows[method])) for rid, (method, k) in ks.items()}
         drafts.update(self._probes(view, drafts, shadow, plain_time, rows))
-        planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
-        return StepPlan(drafts, self._time(view, planned) - self.costs.overhead)
+        return priced(self.costs, view, drafts)
 
     def _row_prices(self, token: float, batch: int) -> dict[str, float]:
         """Seconds of one draft token per proposer: a target row, and for a model proposer its share
@@ -208,20 +233,7 @@ class GoodputPolicy:
         return best, best_rate
 
     def _time(self, view: StepView, ks: dict[str, tuple[str, int]]) -> float:
-        """The step's seconds by the cost tables, with these drafts."""
-        forwards: dict[str, list[int]] = {}
-        catch_up: dict[str, int] = {}
-        lags = {c.request_id: c.lags for c in view.candidates}
-        for rid, (method, k) in ks.items():
-            if method in MODEL_PROPOSERS:
-                rows = forwards.setdefault(method, [])
-                rows += [0] * (k - len(rows))
-                for j in range(k):
-                    rows[j] += 1
-                catch_up[method] = catch_up.get(method, 0) + lags[rid].get(method, 0)
-        num_drafts = sum(k for _, k in ks.values())
-        return self.costs.step_time(len(view.candidates) + view.num_prefill_seqs,
-                                    len(view.candidates) + view.num_prefill_tokens + num_drafts, forwards, catch_up)
+        return plan_time(self.costs, view, ks)
 
     def _p_min(self, shadow: float, row: float) -> float:
         """The break-even chance of one more draft token: its row priced at the step's goodput."""
