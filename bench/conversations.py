@@ -37,15 +37,19 @@ class Session:
         return len(self.followups) + 1
 
 
-def load_questions(path: Path, per_category: int) -> list[dict]:
-    """The first per_category questions of each category, by question id."""
+def load_questions(path: Path, per_category: int, offset: int = 0) -> list[dict]:
+    """per_category questions of each category, by question id, after its first offset * per_category
+    (offset r gives round r questions of its own: a server never sees a question twice)."""
     rows = sorted((json.loads(line) for line in open(path) if line.strip()), key=lambda r: r["question_id"])
-    taken: dict[str, int] = defaultdict(int)
+    seen: dict[str, int] = defaultdict(int)
     selected = []
     for row in rows:
-        if taken[row["category"]] < per_category:
-            taken[row["category"]] += 1
+        index = seen[row["category"]]
+        seen[row["category"]] += 1
+        if offset * per_category <= index < (offset + 1) * per_category:
             selected.append(row)
+    if not selected:
+        raise ValueError(f"{path}: no questions left at offset {offset} x {per_category} per category")
     return selected
 
 
@@ -81,14 +85,32 @@ class Run:
     def pooled(self, field: str) -> float:
         return sum(getattr(self, field).values())
 
-    def merge(self, other: "Run") -> None:
-        """Add another round of the same sessions (its answers are kept only where this has none)."""
+    @property
+    def rate(self) -> float:
+        """Tokens per second of wall time."""
+        return self.pooled("tokens") / self.wall if self.wall else 0.0
+
+    def merge(self, other: "Run", round_index: int) -> None:
+        """Add another round (its answers keyed by the round too: each round has sessions of its own)."""
         for field in ("tokens", "seconds", "proposed", "accepted", "forwards"):
             for category, value in getattr(other, field).items():
                 getattr(self, field)[category] += value
         for key, answer in other.answers.items():
-            self.answers.setdefault(key, answer)
+            self.answers[(round_index, *key)] = answer
         self.wall += other.wall
+
+
+def speedups(rounds: list[dict[str, "Run"]]) -> dict[str, list[float]]:
+    """Per method, its tokens/s over plain decoding's ("none") in each round run in lock-step."""
+    return {m: [r[m].rate / r["none"].rate for r in rounds] for m in rounds[0] if m != "none"}
+
+
+def spread(values: list[float]) -> str:
+    """mean (min-max over n runs): the figure and how far repeats of it moved."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.3f} (1 run)"
+    return f"{mean:.3f} ({min(values):.3f}-{max(values):.3f}, {len(values)} runs)"
 
 
 def method_configs(spec, gamma: int) -> dict[str, dict | None]:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, os.path.dirname(__file__))
 from common import timed  # noqa: E402
 from conversations import (QUESTIONS, Run, auto_over, chat_ids, load_questions, method_configs,  # noqa: E402
-                           question_sessions, run_lockstep, warm_engine)
+                           question_sessions, run_lockstep, speedups, spread, warm_engine)
 
 from engine import LLM  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--peer-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--rounds", type=int, default=1,
-                   help="lock-step rounds per concurrency, fresh engines each, pooled (single 15-30 s runs move ~5%%)")
+                   help="lock-step rounds per concurrency, each on questions of its own (the next --per-category "
+                        "of each category) and fresh engines, pooled; each round's speedups are printed, and "
+                        "their spread")
     p.add_argument("--no-peers", dest="peers", action="store_false")
     p.add_argument("--methods", nargs="+", default=None,
                    help="compare only these (none, ngram, draft, eagle, suffix, auto; none always); auto:<p>+<p>... "
@@ -159,26 +161,34 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Spec-Bench dev: {len(questions)} questions ({args.per_category} per category), greedy, "
              f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}
-    sessions = question_sessions(questions)
+    rounds_sessions = [question_sessions(load_questions(Path(args.questions), args.per_category, offset=r))
+                       for r in range(args.rounds)]
     for concurrency in args.concurrency:
         runs: dict[str, Run] = {}
-        for round_index in range(args.rounds):   # fresh engines each round: no prefix cache from the last
+        rounds: list[dict[str, Run]] = []
+        for round_index, sessions in enumerate(rounds_sessions):   # fresh engines, questions of its own
             llms = build_engines(config, concurrency, methods, round_index)
             if concurrency == args.concurrency[0] and round_index == 0:
                 cost = verification_cost(llms["none"], spec.gamma)
                 lines.append(f"dtype {str(llms['none'].engine.dtype).replace('torch.', '')}: verifying "
                              f"{spec.gamma + 1} tokens costs {cost:.2f} decode steps (batch 1)")
                 results["verify_cost"] = cost
-            for name, run in run_lockstep(llms, sessions, args.max_tokens).items():
-                runs.setdefault(name, Run()).merge(run)
+            rounds.append(run_lockstep(llms, sessions, args.max_tokens))
+            for name, run in rounds[-1].items():
+                runs.setdefault(name, Run()).merge(run, round_index)
             del llms
         for name, run in runs.items():
             print(f"{name} at concurrency {concurrency}: {run.pooled('tokens')} tokens in {run.wall:.1f} s",
                   file=sys.stderr, flush=True)
         lines += report(runs, concurrency, categories)
+        per_round = speedups(rounds)
+        lines.append("speedup over plain per round, mean (min-max): "
+                     + "; ".join(f"{m} {spread(v)}" for m, v in per_round.items()))
         results[f"c{concurrency}"] = {m: {"tokens": r.pooled("tokens"), "seconds": r.wall,
                                           "proposed": r.pooled("proposed"), "accepted": r.pooled("accepted"),
-                                          "target_forwards": r.pooled("forwards")} for m, r in runs.items()}
+                                          "target_forwards": r.pooled("forwards"),
+                                          "speedup_per_round": per_round.get(m)} for m, r in runs.items()}
+        print("\n".join(lines[-2:]), file=sys.stderr, flush=True)
         if concurrency == 1:
             ours = runs
     if args.peers and 1 in args.concurrency:

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversations import (QUESTIONS, Run, Session, load_questions, method_configs,  # noqa: E402
-                           question_sessions, run_lockstep, warm_engine)
+                           question_sessions, run_lockstep, speedups, spread, warm_engine)
 from spec_bench import ratio  # noqa: E402
 
 from server.config import load_config  # noqa: E402
@@ -163,8 +163,8 @@ def code_sessions(num_prompts: int, seed: int) -> list[Session]:
 
 # ---- chat ------------------------------------------------------------------------------------
 
-def chat_sessions(per_category: int) -> list[Session]:
-    return question_sessions(load_questions(QUESTIONS, per_category))
+def chat_sessions(per_category: int, offset: int = 0) -> list[Session]:
+    return question_sessions(load_questions(QUESTIONS, per_category, offset))
 
 
 # ---- running ---------------------------------------------------------------------------------
@@ -192,6 +192,14 @@ def table(name: str, concurrency: int, runs: dict[str, Run]) -> tuple[list[str],
     return lines, figures
 
 
+def versus_best_static(per_run: dict[str, list[float]]) -> str:
+    """auto's tokens/s over the best single method's, run by run (every method but auto is static)."""
+    if "auto" not in per_run or len(per_run) < 2:
+        return "-"
+    statics = [m for m in per_run if m != "auto"]
+    return spread([auto / max(per_run[m][r] for m in statics) for r, auto in enumerate(per_run["auto"])])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
@@ -204,16 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-per-category", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per workload and concurrency, each on sessions of its own (seed + r; chat: the "
+                        "next questions), fresh engines each; the speedups' spread is printed")
     p.add_argument("--methods", default="none,draft,ngram,suffix,auto",
                    help="comma-separated; method@gamma runs a method at its own gamma (e.g. ngram@8)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
     config = load_config(args.config, environ={}).engine
-    builders = {"agent": lambda: agent_sessions(args.agent_sessions, args.agent_turns, args.seed),
-                "code": lambda: code_sessions(args.code_prompts, args.seed),
-                "agent-cold": lambda: agent_sessions(args.agent_sessions, args.agent_turns, args.seed + 1, 0),
-                "chat": lambda: chat_sessions(args.chat_per_category)}
+    builders = {"agent": lambda r: agent_sessions(args.agent_sessions, args.agent_turns, args.seed + r),
+                "code": lambda r: code_sessions(args.code_prompts, args.seed + r),
+                "agent-cold": lambda r: agent_sessions(args.agent_sessions, args.agent_turns, args.seed + 1 + r, 0),
+                "chat": lambda r: chat_sessions(args.chat_per_category, r)}
     wanted = {}
     for name in args.methods.split(","):   # "ngram@8": n-gram at gamma 8, beside the others at --gamma
         method, _, gamma = name.partition("@")
@@ -221,20 +232,31 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Workloads on {config.model} (draft {config.speculative.model}), greedy, max_tokens "
              f"{args.max_tokens}, gamma {args.gamma}"]
     results: dict = {}
+    summary = ["\n## Speedup over plain decoding per run, mean (min-max)\n",
+               "| workload | streams | " + " | ".join(m for m in wanted if m != "none") + " | auto / best static |",
+               "|---|---|" + "---|" * len(wanted)]
     for workload in args.workloads.split(","):
-        sessions = builders[workload]()
         for concurrency in args.concurrency:
-            llms = {method: warm_engine(config, concurrency, speculative) for method, speculative in wanted.items()}
-            runs = run_lockstep(llms, sessions, args.max_tokens)
-            del llms
-            for method, run in runs.items():
-                print(f"{workload} c{concurrency} {method}: {run.pooled('tokens')} tokens in {run.wall:.1f} s",
-                      file=sys.stderr, flush=True)
-            block, figures = table(f"{workload} ({len(sessions)} sessions, "
-                                   f"{sum(s.num_turns for s in sessions)} requests)", concurrency, runs)
+            runs, rounds = {}, []
+            for r in range(args.repeats):
+                sessions = builders[workload](r)
+                llms = {m: warm_engine(config, concurrency, speculative) for m, speculative in wanted.items()}
+                rounds.append(run_lockstep(llms, sessions, args.max_tokens))
+                del llms
+                for method, run in rounds[-1].items():
+                    runs.setdefault(method, Run()).merge(run, r)
+                    print(f"{workload} c{concurrency} run {r} {method}: {run.pooled('tokens')} tokens in "
+                          f"{run.wall:.1f} s", file=sys.stderr, flush=True)
+            block, figures = table(f"{workload} ({len(sessions)} sessions, {sum(s.num_turns for s in sessions)} "
+                                   f"requests, x {args.repeats} runs)", concurrency, runs)
+            per_run = speedups(rounds)
+            summary.append(f"| {workload} | {concurrency} | " + " | ".join(spread(v) for v in per_run.values())
+                           + f" | {versus_best_static(per_run)} |")
+            figures["speedup_per_run"] = per_run
             lines += block
             results[f"{workload}/c{concurrency}"] = figures
-            print("\n".join(block), flush=True)
+            print("\n".join(block + summary[-1:]), flush=True)
+    lines += summary
     if "draft" in wanted:
         draft = {key: f["draft"]["acceptance"] for key, f in results.items() if "draft" in f}
         lines.append("\ndraft model acceptance by workload: "

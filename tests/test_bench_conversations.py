@@ -10,7 +10,8 @@ import pytest
 from engine import LLM
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "bench"))
-from conversations import Conversations, Session, chat_ids, run_lockstep  # noqa: E402
+from conversations import (QUESTIONS, Conversations, Run, Session, chat_ids, load_questions,  # noqa: E402
+                           run_lockstep, speedups, spread)
 
 SESSIONS = [
     Session("chat", [{"role": "user", "content": "hello there"}], [[{"role": "user", "content": "and then?"}]]),
@@ -58,15 +59,35 @@ def test_a_later_turn_sees_the_earlier_answer(llms):
 
 
 def test_rounds_pool_into_one_run(llms):
-    """spec_bench --rounds: each round's totals add up; the answers are the first round's."""
-    first = run_lockstep(llms, SESSIONS, max_tokens=8)["plain"]
-    second = run_lockstep(llms, SESSIONS, max_tokens=8)["plain"]
-    tokens, wall, answers = first.pooled("tokens"), first.wall, dict(first.answers)
-    first.merge(second)
-    assert first.pooled("tokens") == tokens + second.pooled("tokens")
-    assert first.wall == pytest.approx(wall + second.wall)
-    assert first.pooled("seconds") == pytest.approx(first.wall)
-    assert first.answers == answers
+    """spec_bench --rounds: each round's totals add up, and each round keeps its own answers."""
+    first = run_lockstep(llms, SESSIONS, max_tokens=8)
+    second = run_lockstep(llms, SESSIONS[:1], max_tokens=8)
+    pooled = Run()
+    pooled.merge(first["plain"], 0)
+    pooled.merge(second["plain"], 1)
+    assert pooled.pooled("tokens") == first["plain"].pooled("tokens") + second["plain"].pooled("tokens")
+    assert pooled.wall == pytest.approx(first["plain"].wall + second["plain"].wall)
+    assert pooled.pooled("seconds") == pytest.approx(pooled.wall)
+    assert pooled.answers[(1, 0, 0)] == second["plain"].answers[(0, 0)] and len(pooled.answers) == 6 + 2
+    ratios = speedups([{"none": first["plain"], "ngram": first["ngram"]},
+                       {"none": second["plain"], "ngram": second["ngram"]}])
+    assert ratios["ngram"] == pytest.approx([first["ngram"].rate / first["plain"].rate,
+                                             second["ngram"].rate / second["plain"].rate])
+
+
+def test_each_round_asks_questions_of_its_own():
+    rounds = [load_questions(QUESTIONS, 2, offset=r) for r in range(2)]
+    ids = [{q["question_id"] for q in questions} for questions in rounds]
+    assert not ids[0] & ids[1]
+    categories = {q["category"] for q in rounds[0]}
+    assert all(sum(q["category"] == c for q in rounds[1]) == 2 for c in categories)
+    with pytest.raises(ValueError, match="no questions left"):
+        load_questions(QUESTIONS, 40, offset=1000)
+
+
+def test_spread_names_the_mean_and_the_range():
+    assert spread([1.0, 1.2, 1.1]) == "1.100 (1.000-1.200, 3 runs)"
+    assert spread([0.98]) == "0.980 (1 run)"
 
 
 def test_auto_over_a_proposer_subset():
