@@ -115,7 +115,7 @@ def spread(values: list[float]) -> str:
 
 def method_configs(spec, gamma: int) -> dict[str, dict | None]:
     """`speculative` settings per method compared: none, each single proposer at a static gamma (the
-    draft model and the EAGLE head when the config names them), and auto (the controller routing
+    draft model and the EAGLE head when the config names them), and auto (the policy routing
     between all of them); spec is the config's speculative section."""
     static = {"adaptive": False, "num_speculative_tokens": gamma}
     methods = {"none": None, "ngram": {"method": "ngram", **static}}

@@ -1,5 +1,5 @@
 """Spec-Bench on the default target: the draft model and n-gram (each at a static gamma), auto (the
-adaptive controller routing between them) and no speculation, side by side in one run (in lock-step:
+adaptive policy routing between them) and no speculation, side by side in one run (in lock-step:
 one engine step of each method in turn, see conversations.py), with transformers' assisted
 generation and prompt lookup as the peers.
 

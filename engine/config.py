@@ -27,8 +27,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4   # gamma: the most drafts a request verifies in one step
     proposers: tuple[str, ...] | None = None   # method "auto": the proposers it may route to (default:
                                                # "draft" / "eagle" when a model / head is given, "ngram", "suffix")
-    adaptive: bool = True             # the controller picks k per request and step; False: always gamma
-    draft_p_min: float | None = None  # confidence stop: a fixed bar; None: the controller sets it
+    adaptive: bool = True             # the goodput policy picks k per request and step; False: always gamma
+    draft_p_min: float | None = None  # confidence stop: a fixed bar; None: the policy sets it
     draft_temperature: float | None = None  # None: each request's own temperature
     ngram_max: int = 4
     ngram_min: int = 1

@@ -37,7 +37,7 @@ _capture_seconds = 0.0
 def work_clock() -> float:
     """time.perf_counter() less the time spent capturing CUDA graphs: a clock for the cost model.
     A pass that records its bucket's graph takes ~30 ms on an H200 against ~2 ms replayed, once;
-    timed in full, it made a drafting step look 15x dearer than it is, and the controller stopped
+    timed in full, it made a drafting step look 15x dearer than it is, and the policy stopped
     drafting (static gamma 8 1.44x plain, adaptive 0.97x, alpha 0.9 batch 1)."""
     return time.perf_counter() - _capture_seconds
 

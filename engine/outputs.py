@@ -81,7 +81,7 @@ class StepStats:
     pure_decode: bool = False         # every scheduled request ran a decode / verify pass (no prefill work)
     chosen_k: tuple[int, ...] = ()    # per decode pass: the drafts it verified (0: plain decoding)
     drafts_by_method: tuple[tuple[str, int, int], ...] = ()   # (proposer, proposed, accepted) this step
-    predicted_time_s: float | None = None    # the controller's prediction of draft + verify time
+    predicted_time_s: float | None = None    # the cost tables' price of the plan's draft + verify time
 
 
 @dataclass

@@ -31,7 +31,7 @@ Counting rules (so nothing is counted twice):
 - ``inter_token_latency_seconds`` is the gap between streamed deltas. With speculation one delta
   often carries several tokens, so this is the latency a client sees between updates.
 - ``spec_decode_chosen_k`` counts decode passes (per request per step) by the number of drafts
-  they verified, 0 (plain decoding) included: the speculation controller's k, as far as the
+  they verified, 0 (plain decoding) included: the speculation policy's k, as far as the
   proposer could fill it (an n-gram miss verifies 0; only passes with k >= 1 appear in
   ``accepted_length``). Its count equals the sum over responses of their ``speculative.k``
   histograms, its sum ``num_draft_tokens``.
@@ -39,8 +39,9 @@ Counting rules (so nothing is counted twice):
   ``num_draft_tokens`` / ``num_accepted_tokens`` by the proposer that drafted; summed over
   ``proposer`` they equal the unsplit counters.
 
-Calibration of the controller's cost model (steps with adaptive speculation only): on every pure
-decode step the controller predicted a time for (``StepStats.predicted_time_s``),
+Calibration of the cost tables the speculation policy prices plans with (engine/step_costs.py): on
+every pure decode step whose plan was priced (``StepStats.predicted_time_s``; any policy, once the
+tables are calibrated at start-up),
 - ``spec_decode_predicted_step_time_seconds`` (histogram) observes the predicted draft + verify time,
 - ``spec_decode_measured_step_time_seconds`` (counter) adds the measured draft + verify time of
   the same steps, so ``rate(measured_total) / rate(predicted_sum)`` is the calibration over any
@@ -219,7 +220,7 @@ class Metrics:
         self.verify_time = histogram("spec_decode_verify_time_seconds", "Time spent in the target forward and rejection sampling, per step.", STEP_TIME_BUCKETS, spec)
         self.chosen_k = _IntHistogram(
             PREFIX + "spec_decode_chosen_k",
-            "Drafts verified per decode pass of one request (0: plain decoding), as the speculation controller chose.",
+            "Drafts verified per decode pass of one request (0: plain decoding), as the speculation policy chose.",
             spec, MAX_SPEC_TOKENS)
         self.registry.register(self.chosen_k)
         by_proposer = ["model_name", "method", "proposer"]
@@ -238,7 +239,7 @@ class Metrics:
             self._proposer_children(proposer)
         self.predicted_time = histogram(
             "spec_decode_predicted_step_time_seconds",
-            "The speculation controller's predicted draft + verify time of a pure decode step (adaptive speculation).",
+            "The cost tables' predicted draft + verify time of a pure decode step (the speculation policy's plan).",
             STEP_TIME_BUCKETS, spec)
         self.measured_time = counter(
             "spec_decode_measured_step_time_seconds",

@@ -51,7 +51,7 @@ class StreamOptions(_Request):
 class SpeculativeOptions(_Request):
     """specserve's extension beside OpenAI's fields: `"speculative": {"method", "num_speculative_tokens"}`.
 
-    method: "auto" (the engine's controller picks among the server's proposers), "draft", "eagle",
+    method: "auto" (the engine's speculation policy picks among the server's proposers), "draft", "eagle",
     "ngram" or "suffix" (that proposer only; the server must have it), "none" (plain decoding).
     num_speculative_tokens: the most drafts per step for this request, 0..32 (0: plain decoding; the server's own
     num_speculative_tokens still caps it). Either may be left out: the server's setting applies."""

@@ -59,7 +59,7 @@ def test_grid_takes_short_passes_only(tmp_path):
 
 
 def test_engine_on_decode_grids_decodes_like_plain(tiny_pair):
-    """Draft-model speculation (static gamma: this draft is as big as its target, so the controller
+    """Draft-model speculation (static gamma: this draft is as big as its target, so the policy
     would hardly draft), target and draft on padded grids: greedy output identical to plain decoding,
     with both models' decode passes on the grids."""
     target, draft = tiny_pair

@@ -1,7 +1,7 @@
 """Every query the deployment reads returns data from a real Prometheus scraping a live server.
 
 A `specserve serve` subprocess on the tiny (target, noisy-copy draft) pair with draft-model
-speculation (adaptive, so the controller's predicted step times are exported too) is scraped every
+speculation (a static gamma, whose plans the cost tables price too) is scraped every
 second by Debian's `prometheus` (the package `make test` installs for promtool), with the target
 labels the Prometheus Operator's ServiceMonitor would add (namespace, pod). Client threads drive a
 mix of streaming and non-streaming completions and chat completions, some with n > 1, and streams
@@ -56,7 +56,7 @@ def prometheus_bin() -> str:
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
-    # A static gamma: every query needs drafts in the load's last window, and the adaptive controller
+    # A static gamma: every query needs drafts in the load's last window, and the adaptive policy
     # may rightly stop drafting a tiny pair (its draft forward costs what the target's does), so its
     # drafts came from probes and first looks alone and a window could miss them.
     spec = json.dumps({"method": "draft", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False})
