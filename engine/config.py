@@ -9,6 +9,7 @@ QUANTIZATIONS = ("auto", "none", "bf16", "int8")   # weight-only formats of the 
 PROPOSERS = ("draft", "eagle", "ngram", "suffix")
 SPEC_METHODS = ("auto", *PROPOSERS, "none")
 MAX_SPEC_TOKENS = 32
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 def check_model_path(path: str, what: str) -> None:
@@ -86,6 +87,11 @@ class SpeculativeConfig:
                 raise ValueError(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob}")
             if not isinstance(self.suffix_spec_factor, (int, float)) or not self.suffix_spec_factor > 0:
                 raise ValueError(f"suffix_spec_factor must be a number > 0, got {self.suffix_spec_factor!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative.adaptive must be true or false, got {self.adaptive!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"speculative.dtype must be one of {', '.join(DTYPES)} (or unset: the target's), "
+                             f"got {self.dtype!r}")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature must be >= 0, got {self.draft_temperature}")
         if self.draft_p_min is not None and not 0.0 <= self.draft_p_min <= 1.0:
@@ -127,8 +133,8 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "speculative", SpeculativeConfig.from_any(self.speculative))
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         check_model_path(self.model, "model")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import SPEC_METHODS
+from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
 
 _GREEDY_EPS = 1e-5
 
@@ -54,8 +54,8 @@ class SamplingParams:
         check(self.speculative_method is None or self.speculative_method in SPEC_METHODS, "speculative.method",
               f"must be one of {', '.join(SPEC_METHODS)}, got {self.speculative_method!r}")
         k = self.num_speculative_tokens
-        check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 16),
-              "speculative.num_speculative_tokens", f"must be an integer in 0..16, got {k!r}")
+        check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_SPEC_TOKENS),
+              "speculative.num_speculative_tokens", f"must be an integer in 0..{MAX_SPEC_TOKENS}, got {k!r}")
 
     @property
     def greedy(self) -> bool:

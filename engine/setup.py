@@ -195,10 +195,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     _decode_grids(config, device, grids, blocks_per_seq)
     router = Router(proposers, hf_config.vocab_size)
     costs = StepCosts()
+    methods = [m for m in spec.proposers if m in proposers]   # in the configured order: a static plan's preference
     if spec.adaptive:
-        policy: Policy = GoodputPolicy(list(proposers), spec.gamma, costs, spec.draft_p_min)
+        policy: Policy = GoodputPolicy(methods, costs, spec.draft_p_min)
     else:
-        policy = StaticPolicy(list(proposers), spec.gamma, costs, spec.draft_p_min)
+        policy = StaticPolicy(methods, spec.gamma, costs, spec.draft_p_min)
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
         _calibrate(costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)
@@ -253,7 +254,7 @@ def _calibrate(costs: StepCosts, target: ModelRunner, models: list, pool: BlockP
     """Fill the cost tables, through the real verification and drafting paths on scratch blocks:
     target passes of 1, 2, gamma / 2 + 1 and gamma + 1 tokens per request at batch 1, 2, 4, ...,
     each model proposer's one-token forward at the same batches, and its price per catch-up token.
-    Each timing is the fastest of three after two warm-ups: a shape's first passes are slow (kernel
+    Each timing is the fastest of the last few of five runs: a shape's first passes are slow (kernel
     creation, fresh memory; on a GPU, capturing its CUDA graph), and timings only err upwards."""
     context = 2 * pool.block_size
     max_batch = min(max_batch, pool.num_free_blocks // 4)

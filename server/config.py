@@ -144,7 +144,7 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("model", _parse_str, "target model: a Hugging Face checkpoint directory", "PATH"),
+    Option("model", _parse_str, "target model: a Hugging Face checkpoint directory or a GGUF file", "PATH"),
     Option("served_model_name", _parse_str, "model name clients send and see (default: the model path)", "NAME"),
     Option("tokenizer", _parse_str, "tokenizer directory (default: the model's)", "PATH"),
     Option("host", _parse_str, "address to listen on (default 127.0.0.1)", "HOST"),
@@ -155,8 +155,8 @@ OPTIONS: tuple[Option, ...] = (
            "'{\"method\": \"draft\", \"model\": \"models/draft\", \"num_speculative_tokens\": 4}' "
            "(keys: " + ", ".join(f.name for f in fields(SpeculativeConfig)) + "; merged over the config file's)",
            "JSON", flag="--speculative-config"),
-    Option("dtype", _parse_str, "weights and KV cache dtype (default auto: bfloat16 on CPUs with native bf16, "
-           "else float32; the checkpoint's 16-bit type on GPU)", choices=("auto", "bfloat16", "float16", "float32")),
+    Option("dtype", _parse_str, "compute and KV cache dtype (default auto: on a CPU, float32 over bf16 weights "
+           "where the CPU kernels build, else the CPU's native type; the checkpoint's 16-bit type on GPU)", choices=("auto", "bfloat16", "float16", "float32")),
     Option("device", _parse_str, "auto | cpu | cuda | cuda:N (default auto)", "DEVICE"),
     Option("max_model_len", _parse_int, "context length: prompt + output tokens (default: the model's)", "N"),
     Option("max_num_seqs", _parse_int, "most requests in one batch (default 64)", "N"),
@@ -171,8 +171,8 @@ OPTIONS: tuple[Option, ...] = (
            "buckets (GPU only; default false)", "BOOL"),
     Option("quantization", _parse_str, "weight-only format of the linears on CPU: bf16 (2 bytes a weight) or "
            "int8 (one scale per 32 weights, Q8_0's grouping), computed in fp32 by a C++ kernel built on first "
-           "use; none keeps the dtype's weights (default auto: bf16 where dtype auto falls back to float32 for "
-           "want of native bf16, else none)", choices=QUANTIZATIONS),
+           "use; none keeps the dtype's weights (default auto: bf16 where dtype auto computes in float32 on "
+           "a CPU, else none)", choices=QUANTIZATIONS),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
     Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
     Option("engine_core", _parse_str, "where the engine loop runs: process (its own, the default: it shares no "

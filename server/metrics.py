@@ -8,7 +8,7 @@ drafted (under "auto", each request and step picks one).
 
 Who calls what:
 - ``observe_step`` once per ``Engine.step()``, on the engine thread. It must stay cheap: a few
-  counter/histogram updates, one loop over ``accepted_per_position`` (<= 16 long) and a C-level
+  counter/histogram updates, one loop over ``accepted_per_position`` (gamma long) and a C-level
   count of ``accepted_lengths``.
 - ``observe_request`` once per finished request (its final ``RequestOutput``), on the server thread.
 - ``observe_token_gap`` for each streamed delta after the first.

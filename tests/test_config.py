@@ -94,6 +94,8 @@ def test_unknown_key_is_an_error_naming_it(models):
     ("model: models/target\nkv_cache_memory: lots\n", "kv_cache_memory"),
     ("model: models/target\nenable_prefix_caching: maybe\n", "enable_prefix_caching"),
     ("model: models/target\nspeculative: draft\n", "speculative"),
+    ("model: models/target\nspeculative: {method: ngram, adaptive: 'false'}\n", "speculative.adaptive"),
+    ("model: models/target\nspeculative: {method: ngram, dtype: bf16}\n", "speculative.dtype"),
     ("model: models/target\nmax_num_seqs: 0\n", "max_num_seqs"),
     ("port: 1\n", "model"),
     ("- model\n", "mapping"),

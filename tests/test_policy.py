@@ -61,7 +61,7 @@ class Simulation:
 
 
 def goodput_policy(costs: StepCosts, methods=("ngram",)) -> GoodputPolicy:
-    return GoodputPolicy(list(methods), MAX_K, costs)
+    return GoodputPolicy(list(methods), costs)
 
 
 # ---- the plan ----------------------------------------------------------------------

@@ -332,3 +332,12 @@ def test_top_k_top_p_among_candidates_equals_the_full_sort():
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     kept = ~torch.isinf(got)
     assert torch.equal(got[kept], expected[kept])
+
+
+def test_a_request_may_cap_its_drafts_anywhere_the_server_may():
+    from engine.config import MAX_SPEC_TOKENS
+    from engine.sampling_params import SamplingParams
+
+    assert SamplingParams(num_speculative_tokens=MAX_SPEC_TOKENS).num_speculative_tokens == MAX_SPEC_TOKENS
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=MAX_SPEC_TOKENS + 1)

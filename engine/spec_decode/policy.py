@@ -151,8 +151,8 @@ class _Choice:
 
 
 class GoodputPolicy:
-    def __init__(self, methods: list[str], max_k: int, costs: StepCosts, p_min: float | None = None):
-        self.methods, self.max_k, self.costs, self.fixed_p_min = list(methods), max_k, costs, p_min
+    def __init__(self, methods: list[str], costs: StepCosts, p_min: float | None = None):
+        self.methods, self.costs, self.fixed_p_min = list(methods), costs, p_min
         self.pool = {m: AcceptanceRate(POOL_FORGET) for m in self.methods}   # the engine-wide rate per proposer
         self.rates: dict[str, dict[str, AcceptanceRate]] = {}   # request id -> proposer -> its own rate
         self.credit = 0.0   # the exploration budget, seconds
