@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine.spec_decode.estimates import AcceptanceRate, judged_tokens
+from engine.spec_decode.estimates import FORGET, AcceptanceRate, DraftRates, judged_tokens
 from engine.spec_decode.policy import (EXPLORE, Candidate, GoodputPolicy, StaticPolicy, StepOutcome, StepView,
-                                       Verified, expected_tokens)
+                                       Verified, expected_tokens, paying_depth)
 from engine.step_costs import DraftForward, PassTiming, StepCosts, TargetTable
 
 MAX_K = 8
@@ -199,8 +199,53 @@ def test_a_static_policy_without_cost_tables_predicts_nothing():
 
 
 def test_expected_tokens():
-    assert expected_tokens(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
-    assert expected_tokens(1.0, 4) == 4.0 and expected_tokens(0.0, 4) == 0.0
+    assert expected_tokens(0.5, 0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 1.0, 4) == 4.0 and expected_tokens(0.0, 0.9, 4) == 0.0
+    assert expected_tokens(0.6, 0.9, 3) == pytest.approx(0.6 * (1 + 0.9 + 0.81)) and expected_tokens(0.6, 0.9, 0) == 0
+
+
+def test_the_paying_depth_follows_both_rates():
+    assert paying_depth(0.3, 0.99, 0.4, 8) == 0   # the first token does not pay
+    assert paying_depth(0.6, 0.9, 0.4, 8) == 4    # 0.6 * 0.9^3 = 0.44 > 0.4 > 0.6 * 0.9^4
+    assert paying_depth(0.6, 1.0, 0.4, 8) == 8 and paying_depth(0.6, 0.0, 0.4, 8) == 1
+
+
+def accepted_by_position(rng: random.Random, first: float, rest: float, k: int) -> int:
+    """A copy in progress: the first draft token accepted at `first`, each later one at `rest`."""
+    n = 0
+    while n < k and rng.random() < (first if n == 0 else rest):
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_copy_in_progress_is_drafted_deep(seed):
+    """First draft token 0.6, later ones 0.95 (what n-gram and suffix drafting measure on code edits):
+    both rates are learned, and the plan drafts past the depth the first token's rate alone would
+    pay for (0.6^k above the bar of about 0.3 here: 2)."""
+    policy = goodput_policy(synthetic_costs(per_token=0.002))
+    sim = Simulation(policy, 4, seed)
+    ks = []
+    for _ in range(60):
+        plan = policy.plan(sim.view())
+        verified = tuple(Verified(rid, d.method, d.k, accepted_by_position(sim.rng, 0.6, 0.95, d.k))
+                         for rid, d in plan.drafts.items() if d.k)
+        policy.observe(plan, StepOutcome(verified, None))
+        ks.append(sum(d.k for d in plan.drafts.values()) / 4)
+    first, rest = policy.acceptance("r0", "ngram")
+    assert abs(first - 0.6) < 0.2 and rest > 0.85, (first, rest)
+    assert sum(ks[-20:]) / 20 >= 3, ks
+
+
+def test_draft_rates_split_by_position_on_one_clock():
+    rates = DraftRates()
+    rates.observe(4, 2)   # first accepted; of the rest, one accepted and one rejected
+    assert (rates.first.accepted, rates.first.rejected) == (1, 0)
+    assert (rates.rest.accepted, rates.rest.rejected) == (1, 1)
+    rates.observe(3, 0)   # first rejected; the rest not judged, but their evidence ages with the draft's token
+    keep = 1 - FORGET
+    assert (rates.first.accepted, rates.first.rejected) == (pytest.approx(keep), 1)
+    assert (rates.rest.accepted, rates.rest.rejected) == (pytest.approx(keep), pytest.approx(keep))
 
 
 # ---- estimates ----------------------------------------------------------------------
@@ -269,6 +314,6 @@ def test_host_overhead_is_the_step_less_its_passes():
 def test_a_certain_optimistic_rate_drafts_what_the_proposer_offers():
     """An upper bound of 1 (little evidence, a high prior) prices every draft as sure to pass."""
     policy = goodput_policy(synthetic_costs(per_token=0.0002))
-    policy.optimistic = lambda rid, method: 1.0
+    policy.optimistic = lambda rid, method: (1.0, 1.0)
     choice = policy._choose(Candidate("r", {"ngram": 5}, {"ngram": 0}), 10.0, {"ngram": 0.001}, optimistic=True)
     assert choice.k == 5

@@ -5,9 +5,11 @@ verification made of it; `on_finish` forgets a request. Two policies:
 
 - StaticPolicy (`adaptive: false`): gamma drafts from the first proposer that can offer any.
 - GoodputPolicy (the default): the plan with the most expected output tokens per second of the
-  step (SmartSpec's goodput). k drafts accepted at rate a yield 1 + a + ... + a^k tokens in
-  expectation; a step costs what the cost tables (engine/step_costs.py) say for its target pass,
-  each model proposer's sequential forwards and catch-up, and the step's host overhead. Each
+  step (SmartSpec's goodput). k drafts whose first is accepted at rate f and each later one at r
+  yield 1 + f (1 + r + ... + r^(k-1)) tokens in expectation (estimates.DraftRates: copies in
+  progress accept later tokens far more often than the first); a step costs what the cost tables
+  (engine/step_costs.py) say for its target pass, each model proposer's sequential forwards and
+  catch-up, and the step's host overhead. Each
   request takes, per proposer, the drafts whose chance of acceptance beats their time priced at
   the step's goodput (the shadow price of a second), and the proposer that nets most; then every
   depth cap is priced exactly (a draft model runs one forward per depth, so deep drafts of a few
@@ -29,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.spec_decode.estimates import POOL_FORGET, PRIOR_WEIGHT, AcceptanceRate
+from engine.spec_decode.estimates import POOL_FORGET, PRIOR_WEIGHT, DraftRates
 from engine.step_costs import PassTiming, StepCosts
 
 MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position
@@ -136,40 +138,59 @@ class StaticPolicy:
         pass
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Expected accepted drafts of k at rate a: a + a^2 + ... + a^k."""
-    return a * (1.0 - a ** k) / (1.0 - a) if a < 1.0 else float(k)
+def expected_tokens(first: float, rest: float, k: int) -> float:
+    """Expected accepted drafts of k whose first is accepted at `first` and each later one (given the
+    ones before) at `rest`: first (1 + rest + ... + rest^(k-1))."""
+    if k <= 0:
+        return 0.0
+    return first * ((1.0 - rest ** k) / (1.0 - rest) if rest < 1.0 else float(k))
+
+
+def paying_depth(first: float, rest: float, bar: float, cap: int) -> int:
+    """The most drafts (up to cap) whose last one is still reached and accepted with a chance above bar."""
+    if first <= bar:
+        return 0
+    if bar <= 0 or rest >= 1.0:
+        return cap
+    if rest <= 0.0:
+        return 1
+    return min(cap, 1 + int(math.log(bar / first) / math.log(rest)))
 
 
 @dataclass
 class _Choice:
-    """A request's best draft at one shadow price: proposer, k, rate, and seconds per draft token."""
+    """A request's best draft at one shadow price: proposer, k, rates (first, rest), seconds per draft token."""
     method: str
     k: int
-    rate: float
+    rates: tuple[float, float]
     row: float
 
 
 class GoodputPolicy:
     def __init__(self, methods: list[str], costs: StepCosts, p_min: float | None = None):
         self.methods, self.costs, self.fixed_p_min = list(methods), costs, p_min
-        self.pool = {m: AcceptanceRate(POOL_FORGET) for m in self.methods}   # the engine-wide rate per proposer
-        self.rates: dict[str, dict[str, AcceptanceRate]] = {}   # request id -> proposer -> its own rate
+        self.pool = {m: DraftRates(POOL_FORGET) for m in self.methods}   # the engine-wide rates per proposer
+        self.rates: dict[str, dict[str, DraftRates]] = {}   # request id -> proposer -> its own rates
         self.credit = 0.0   # the exploration budget, seconds
         self.refund = 0.0   # seconds an accepted probe token is worth (a plain token at the probe's batch)
 
     # ---- estimates ---------------------------------------------------------------
-    def _own(self, rid: str, method: str) -> AcceptanceRate:
+    def _own(self, rid: str, method: str) -> DraftRates:
         rates = self.rates.setdefault(rid, {})
         if method not in rates:
-            rates[method] = AcceptanceRate()
+            rates[method] = DraftRates()
         return rates[method]
 
-    def acceptance(self, rid: str, method: str) -> float:
+    def acceptance(self, rid: str, method: str) -> tuple[float, float]:
+        """(first, rest): the request's rates, shrunk toward the engine-wide ones."""
         return self._own(rid, method).mean(self.pool[method].mean(), PRIOR_WEIGHT)
 
-    def optimistic(self, rid: str, method: str) -> float:
-        return self._own(rid, method).upper(self.pool[method].mean(), PRIOR_WEIGHT)
+    def optimistic(self, rid: str, method: str) -> tuple[float, float]:
+        """The first rate at its optimistic bound, the later ones at their mean: the first token gates
+        whether a request drafts at all, and a probe tests it (an untested continuation's wide bound
+        would make every probe a deep, dear one)."""
+        rates, prior = self._own(rid, method), self.pool[method].mean()
+        return rates.first.upper(prior[0], PRIOR_WEIGHT), rates.rest.mean(prior[1], PRIOR_WEIGHT)
 
     # ---- the plan ----------------------------------------------------------------
     def plan(self, view: StepView) -> StepPlan:
@@ -209,16 +230,13 @@ class GoodputPolicy:
             cap = c.caps.get(method, 0)
             if cap <= 0:
                 continue
-            a = (self.optimistic if optimistic else self.acceptance)(c.request_id, method)
+            rates = (self.optimistic if optimistic else self.acceptance)(c.request_id, method)
             row = rows[method]
-            first = self.costs.draft(method).catch_up(c.lags.get(method, 0)) if method in MODEL_PROPOSERS else 0.0
-            bar = shadow * row   # the chance a draft token needs to pay for its row
-            if a <= bar:
-                continue
-            k = cap if bar <= 0 or a >= 1.0 else min(cap, int(math.log(bar) / math.log(a)))
-            value = expected_tokens(a, k) - shadow * (k * row + first)
+            catch_up = self.costs.draft(method).catch_up(c.lags.get(method, 0)) if method in MODEL_PROPOSERS else 0.0
+            k = paying_depth(*rates, shadow * row, cap)   # shadow * row: the chance a draft token needs to pay
+            value = expected_tokens(*rates, k) - shadow * (k * row + catch_up)
             if k > 0 and value > best_value:
-                best, best_value = _Choice(method, k, a, row), value
+                best, best_value = _Choice(method, k, rates, row), value
         return best
 
     def _best_depth(self, view: StepView, choices: dict[str, _Choice]) -> tuple[dict[str, tuple[str, int]], float]:
@@ -226,7 +244,7 @@ class GoodputPolicy:
         best, best_rate = {}, 0.0
         for depth in range(1, max((c.k for c in choices.values()), default=0) + 1):
             ks = {rid: (c.method, min(c.k, depth)) for rid, c in choices.items()}
-            tokens = len(view.candidates) + sum(expected_tokens(c.rate, min(c.k, depth)) for c in choices.values())
+            tokens = len(view.candidates) + sum(expected_tokens(*c.rates, min(c.k, depth)) for c in choices.values())
             rate = tokens / self._time(view, ks)
             if rate > best_rate:
                 best, best_rate = ks, rate
