@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from engine.config import QUANTIZATIONS, EngineConfig, SpeculativeConfig
+from engine.config import DTYPES, QUANTIZATIONS, EngineConfig, SpeculativeConfig
 
 ENV_PREFIX = "SPECSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -156,7 +156,8 @@ OPTIONS: tuple[Option, ...] = (
            "(keys: " + ", ".join(f.name for f in fields(SpeculativeConfig)) + "; merged over the config file's)",
            "JSON", flag="--speculative-config"),
     Option("dtype", _parse_str, "compute and KV cache dtype (default auto: on a CPU, float32 over bf16 weights "
-           "where the CPU kernels build, else the CPU's native type; the checkpoint's 16-bit type on GPU)", choices=("auto", "bfloat16", "float16", "float32")),
+           "where the CPU kernels build, else the CPU's native type; the checkpoint's 16-bit type on GPU)",
+           choices=("auto", *DTYPES)),
     Option("device", _parse_str, "auto | cpu | cuda | cuda:N (default auto)", "DEVICE"),
     Option("max_model_len", _parse_int, "context length: prompt + output tokens (default: the model's)", "N"),
     Option("max_num_seqs", _parse_int, "most requests in one batch (default 64)", "N"),

