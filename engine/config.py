@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-QUANTIZATIONS = ("auto", "none", "bf16", "int8")   # weight-only formats of the linears: engine/models/streamed_linear.py
+QUANTIZATIONS = ("auto", "none", "bf16", "int8", "gguf")   # weight-only formats of the linears (CPU):
+# engine/models/streamed_linear.py (bf16, int8) and engine/models/gguf_linear.py (a GGUF file's own blocks)
 
 PROPOSERS = ("draft", "eagle", "ngram", "suffix")
 SPEC_METHODS = ("auto", *PROPOSERS, "none")
@@ -128,7 +129,7 @@ class EngineConfig:
     seed: int = 0
     max_step_failures: int = 5            # steps in a row failing every request in them: the engine is dead
     cuda_graphs: bool = False             # decode and verification passes replayed as CUDA graphs (GPU only)
-    quantization: str = "auto"            # auto | none | bf16 | int8: weight-only formats of the linears (CPU)
+    quantization: str = "auto"            # auto | none | bf16 | int8 | gguf: weight-only formats of the linears (CPU)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):

@@ -1,10 +1,12 @@
 """The engine's C++ CPU kernels (engine/csrc), built on first use.
 
-Three families, one extension:
+Four families, one extension:
   streamed_linear.cpp  weight-only bf16 / int8 linears computed in fp32 (`quantization`,
                        engine/models/streamed_linear.py);
   bf16_dot_linear.cpp  bf16 linears on AVX512-BF16 dot products, where the CPU has them (compiled for
                        it with function attributes, called only after a runtime check);
+  gguf_linear.cpp      linears over GGUF's quantized blocks (Q4_0/1, Q5_0, Q8_0, Q4_K, Q6_K) on int8
+                       activations (AVX512-VNNI, else portable C++; engine/models/gguf_linear.py);
   decode_ops.cpp       a decoder layer's small ops fused in fp32: add + RMSNorm, silu * up, and RoPE +
                        cache write + paged attention for decode and verification rows (the layers in
                        engine/models/llama.py and engine/attention.py call them where `fused_ops` says so).
@@ -26,7 +28,7 @@ import torch
 logger = logging.getLogger("specserve.engine")
 
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("bindings.cpp", "streamed_linear.cpp", "bf16_dot_linear.cpp",
-                                                                       "decode_ops.cpp")]
+                                                                       "gguf_linear.cpp", "decode_ops.cpp")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,6 +17,8 @@ from engine.model_runner import ModelRunner
 from engine.models.eagle import load_eagle_head
 from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_linear_available
 from engine.models.llama import use_fused_cpu_ops
+from engine.models import gguf_linear
+from engine.models.gguf import find_gguf, open_gguf
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model
 from engine.models.streamed_linear import check_quantization, kernel_unavailable_reason, stream_linears
 from engine.request import Request
@@ -90,9 +92,22 @@ def _bf16_weights_in_fp32(quantization: str, model_path: str | None) -> bool:
     model's own weights, which the CPU then computes in its native dtype."""
     if quantization == "none" or kernel_unavailable_reason():
         return False
-    if quantization == "int8" or not cpu_has_fast_bf16():
+    if quantization in ("int8", "gguf") or not cpu_has_fast_bf16() or serves_gguf_blocks(model_path):
         return True
     return _weight_bytes(model_path) * 4 <= _memory_bytes()
+
+
+def serves_gguf_blocks(model_path: str | None) -> bool:
+    """Whether quantization auto serves this model from its GGUF blocks: a GGUF file with matrices of
+    a kernel type (engine/models/gguf_linear.py), on a CPU with AVX512-VNNI (the portable loop is slower
+    than dequantized bf16 weights)."""
+    if not model_path or not gguf_linear.vnni_available():
+        return False
+    path = find_gguf(model_path)
+    if path is None:
+        return False
+    checkpoint = open_gguf(path)
+    return any(checkpoint.type_name(name) in gguf_linear.KERNEL_TYPES for name in checkpoint.tensor_names().values())
 
 
 def _weight_bytes(model_path: str | None) -> int:
@@ -108,9 +123,11 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def resolve_quantization(name: str, dtype_name: str, dtype: torch.dtype, device: torch.device) -> str:
-    """auto: bf16 weights through the CPU kernels where dtype auto chose fp32 on a CPU (see
-    _bf16_weights_in_fp32); else none. Any other value is checked and kept."""
+def resolve_quantization(name: str, dtype_name: str, dtype: torch.dtype, device: torch.device,
+                         model_path: str | None = None) -> str:
+    """auto: a quantized GGUF model's own blocks where the VNNI kernel runs (serves_gguf_blocks), else bf16
+    weights through the CPU kernels where dtype auto chose fp32 on a CPU (see _bf16_weights_in_fp32);
+    else none. Any other value is checked and kept."""
     if name != "auto":
         check_quantization(name, device)
         return name
@@ -120,7 +137,7 @@ def resolve_quantization(name: str, dtype_name: str, dtype: torch.dtype, device:
     if reason:
         logger.warning("quantization auto: serving fp32 weights, the bf16 weight kernel is unavailable (%s)", reason)
         return "none"
-    return "bf16"
+    return "gguf" if serves_gguf_blocks(model_path) else "bf16"
 
 
 def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
@@ -147,13 +164,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if (target_flash or draft_flash) and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
-    quantization = resolve_quantization(config.quantization, config.dtype, dtype, device)
-    target_model = load_model(config.model, dtype, device)
+    quantization = resolve_quantization(config.quantization, config.dtype, dtype, device, config.model)
+    target_model = load_model(config.model, dtype, device, gguf_blocks=quantization == "gguf")
     draft_model = draft_config = head = None
     if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
-        draft_model = _prepared(load_model(spec.model, draft_dtype, device), draft_dtype, device, quantization)
+        draft_model = _prepared(load_model(spec.model, draft_dtype, device, quantization == "gguf"), draft_dtype, device, quantization)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
         head = _prepared(load_eagle_head(spec.head, target_model, dtype, device), dtype, device, quantization)
@@ -226,8 +243,8 @@ def _prepared(model, dtype: torch.dtype, device: torch.device, quantization: str
     """The model in its serving form on CPU: linears weight-only bf16 / int8 when asked, else
     oneDNN-packed (both make small-batch matmuls, i.e. verification, cheaper than torch's default);
     in fp32, the layers' small ops fused (engine/cpu_kernels.py)."""
-    if quantization != "none":
-        stream_linears(model, quantization)
+    if quantization != "none":   # with gguf: the linears left dense (types without a kernel) as bf16
+        stream_linears(model, "bf16" if quantization == "gguf" else quantization)
     if packed_linear_available(device, dtype):   # every linear left (all of them without quantization)
         pack_linears(model)
     if fused_ops_usable(device, dtype):

@@ -18,6 +18,15 @@ torch::Tensor unpack_bf16_blocks(const torch::Tensor& blocks);
 torch::Tensor linear_bf16_blocks(const torch::Tensor& x, const torch::Tensor& blocks,
                                  const c10::optional<torch::Tensor>& bias);
 
+// gguf_linear.cpp: linears over GGUF's quantized blocks, repacked once into 16-output tiles.
+bool has_avx512_vnni();
+std::vector<int64_t> gguf_kernel_types();
+torch::Tensor gguf_repack(const torch::Tensor& raw, int64_t type, int64_t K);
+torch::Tensor gguf_dequantize_tiles(const torch::Tensor& tiles, int64_t type, int64_t N, int64_t K);
+torch::Tensor gguf_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& tiles,
+                          const std::vector<int64_t>& types, const std::vector<int64_t>& sizes,
+                          const c10::optional<torch::Tensor>& bias, bool portable);
+
 // decode_ops.cpp: a decoder layer's small ops, fused, in fp32.
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
                                         const torch::Tensor& weight, double eps);

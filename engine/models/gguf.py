@@ -211,9 +211,26 @@ class GGUFCheckpoint:
                 array = unpermute_rotary(array, self.config.num_key_value_heads)
         return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))   # a writable copy
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, dequantized tensor) for every tensor but those named in `skip` (never dequantized)."""
         for hf, name in self.tensor_names().items():
-            yield hf, self.tensor(name)
+            if hf not in skip:
+                yield hf, self.tensor(name)
+
+    def type_name(self, gguf_name: str) -> str:
+        return self._tensors[gguf_name].tensor_type.name
+
+    def raw(self, gguf_name: str) -> torch.Tensor:
+        """A matrix's blocks as stored, uint8 [rows, bytes a row], rows in HF order (a Llama's q/k rows
+        un-interleaved as in `tensor`): what engine/models/gguf_linear.py repacks."""
+        tensor = self._tensors[gguf_name]
+        array = np.asarray(tensor.data).reshape(int(tensor.shape[-1]), -1)
+        if self.architecture == "llama" and gguf_name.startswith("blk."):
+            kind = gguf_name.split(".")[2]
+            if kind in ("attn_q", "attn_k"):
+                heads = self.config.num_attention_heads if kind == "attn_q" else self.config.num_key_value_heads
+                array = unpermute_rotary(array, heads)
+        return torch.from_numpy(np.ascontiguousarray(array))
 
     def tokenizer(self):
         """The file's tokenizer (with its chat template), built by transformers from the GGUF vocabulary."""

@@ -318,7 +318,7 @@ class CausalLM(nn.Module):
                 module.init_buffers(device, dtype)
 
     def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):   # not a GGUFLinear over its own blocks
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

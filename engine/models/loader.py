@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.gguf import GGUFCheckpoint, find_gguf, open_gguf
+from engine.models.gguf_linear import GGUFLinear, GGUFPart, servable
 from engine.models.llama import CausalLM, FusedLinear
 
 SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -167,16 +168,45 @@ def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint | TorchBinCh
     return SafetensorsCheckpoint(weight_files(path))
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks: bool = False) -> CausalLM:
+    """The model on device in dtype; with gguf_blocks (`quantization: gguf`), a GGUF file's linears in
+    kernel-supported types are served from their blocks (engine/models/gguf_linear.py), never dequantized."""
     config = load_hf_config(path)
     model_cls = SUPPORTED_ARCHITECTURES[architecture_of(config)]
     checkpoint = open_checkpoint(path)
     device = torch.device(device)
     with torch.device("meta"):
         model = model_cls(config)
-    load_weights(model, checkpoint, dtype, device)
+    served = serve_gguf_linears(model, checkpoint) if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) \
+        else frozenset()
+    load_weights(model, checkpoint, dtype, device, served)
     model.init_buffers(device, dtype)
     return model.eval()
+
+
+def serve_gguf_linears(model: CausalLM, checkpoint: GGUFCheckpoint) -> frozenset[str]:
+    """Swap each linear of a meta model whose checkpoint tensors all have a kernel type for a GGUFLinear
+    over their blocks; returns the checkpoint names it took (their biases stay for load_weights)."""
+    names = checkpoint.tensor_names()
+    served = set()
+    for module_name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        parent_name, _, child = module_name.rpartition(".")
+        if isinstance(module, FusedLinear):
+            keys = [f"{parent_name}.{shard}.weight" for shard, _, _ in module.shards()]
+        elif module_name == "lm_head" and model.tie_word_embeddings:
+            keys = ["model.embed_tokens.weight"]   # the head's blocks; the embedding still loads dense
+        else:
+            keys = [f"{module_name}.weight"]
+        if not all(k in names and servable(checkpoint.type_name(names[k]), module.in_features) for k in keys):
+            continue
+        parts = [GGUFPart(checkpoint.raw(names[k]), checkpoint.type_name(names[k]), module.in_features) for k in keys]
+        shards = module.shard_names if isinstance(module, FusedLinear) else None
+        setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                GGUFLinear(module.in_features, parts, module.bias is not None, shards))
+        served.update(k for k in keys if k != "model.embed_tokens.weight")
+    return frozenset(served)
 
 
 def _checkpoint_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int | None]]:
@@ -185,7 +215,7 @@ def _checkpoint_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int | 
     for name, _ in model.named_parameters():  # tied parameters appear once, under embed_tokens
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if isinstance(module, FusedLinear):
+        if getattr(module, "shard_names", None):   # a FusedLinear, or a GGUFLinear in its place
             parent = module_name.rpartition(".")[0]
             for shard, offset, rows in module.shards():
                 plan[f"{parent}.{shard}.{leaf}"] = (name, offset, rows)
@@ -218,10 +248,12 @@ def _name_list(names) -> str:
     return shown + (f" (and {len(names) - 10} more)" if len(names) > 10 else "")
 
 
-def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.device) -> None:
-    """Fill every parameter of a (meta) model from a checkpoint (safetensors or GGUF), strictly."""
+def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.device,
+                 served: frozenset[str] = frozenset()) -> None:
+    """Fill every parameter of a (meta) model from a checkpoint (safetensors or GGUF), strictly; `served`
+    names the checkpoint tensors already taken by GGUFLinears."""
     plan = _checkpoint_plan(model)
-    where = set(checkpoint.tensor_names())
+    where = set(checkpoint.tensor_names()) - served
     missing = set(plan) - set(where)
     unexpected = {k for k in set(where) - set(plan) if not _is_ignorable(k, model)}
     if missing:
@@ -231,7 +263,7 @@ def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.
 
     params = dict(model.named_parameters())
     filled = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in params.items()}
-    for key, tensor in checkpoint.tensors():
+    for key, tensor in (checkpoint.tensors(skip=served) if served else checkpoint.tensors()):
         if key not in plan:
             continue
         name, offset, rows = plan[key]

@@ -65,8 +65,8 @@ def kernel_unavailable_reason() -> str | None:
 
 
 def check_quantization(name: str, device: torch.device) -> None:
-    """Raise a ValueError naming the problem when `quantization: name` (none, bf16 or int8: EngineConfig
-    has checked the name, engine/setup.py resolved auto) cannot serve on `device`."""
+    """Raise a ValueError naming the problem when `quantization: name` (none, bf16, int8 or gguf:
+    EngineConfig has checked the name, engine/setup.py resolved auto) cannot serve on `device`."""
     if name == "none":
         return
     if torch.device(device).type != "cpu":

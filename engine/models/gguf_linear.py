@@ -1,0 +1,91 @@
+"""Linears served from a GGUF file's quantized blocks (`quantization: gguf`, the CPU default for GGUF models).
+
+A Q4_K_M checkpoint holds ~0.6 bytes a weight; dequantized to bf16 it is 2, and a decode step reads
+every weight once, so on a CPU (memory-bound) serving the blocks as stored is worth ~3x. At load each
+supported tensor (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) is repacked, bit for bit, into tiles of 16
+outputs (engine/csrc/gguf_linear.cpp): no float copy of the weight is ever made. A pass quantizes its
+input rows to int8 per 32 values (as llama.cpp does) and sums with AVX512-VNNI integer dot products,
+so its result is the dequantized weight times the int8-rounded rows, to fp32 rounding; a row's result
+does not depend on the other rows of its pass. Tensors of other types (F16, Q5_K, ...) load dequantized
+and are served like `quantization: bf16`.
+
+A fused linear (q/k/v, gate/up) keeps one part per checkpoint tensor, each of its own type: Q4_K_M
+stores some v projections in Q6_K and their q/k siblings in Q4_K.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import cpu_kernels
+
+# GGUF type ids (ggml.h) with a kernel, by name.
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+BLOCK_INPUTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
+
+
+def unavailable_reason() -> str | None:
+    """None when `quantization: gguf` can serve here; its fast path also needs AVX512-VNNI (vnni_available)."""
+    return cpu_kernels.unavailable_reason()
+
+
+def vnni_available() -> bool:
+    return unavailable_reason() is None and cpu_kernels.extension().has_avx512_vnni()
+
+
+def servable(type_name: str, in_features: int) -> bool:
+    return type_name in KERNEL_TYPES and in_features % BLOCK_INPUTS[type_name] == 0
+
+
+class GGUFPart:
+    """One checkpoint tensor of a GGUFLinear: its tiles, GGUF type and output rows."""
+
+    def __init__(self, raw: torch.Tensor, type_name: str, in_features: int):
+        self.type_name, self.type_id, self.rows = type_name, KERNEL_TYPES[type_name], raw.shape[0]
+        self.tiles = cpu_kernels.extension().gguf_repack(raw.contiguous(), self.type_id, in_features)
+
+    def dense(self, in_features: int) -> torch.Tensor:
+        return cpu_kernels.extension().gguf_dequantize_tiles(self.tiles, self.type_id, self.rows, in_features)
+
+
+class GGUFLinear(nn.Module):
+    """A linear (or a fused one: `shard_names`, `output_sizes` as FusedLinear's) over GGUF blocks, in
+    fp32 out. `bias` is an ordinary parameter, filled by the loader like any other."""
+
+    portable = False   # tests set it: the portable C++ loop instead of AVX512-VNNI
+
+    def __init__(self, in_features: int, parts: list[GGUFPart], bias: bool, shard_names: list[str] | None = None):
+        super().__init__()
+        self.in_features, self.parts = in_features, parts
+        self.output_sizes = [part.rows for part in parts]
+        self.out_features = sum(self.output_sizes)
+        self.shard_names = list(shard_names or [])
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        self._kernel = cpu_kernels.extension()
+
+    def shards(self):
+        """(hf sibling name, row offset, rows) per part, as FusedLinear.shards: where the loader puts the bias."""
+        offset = 0
+        for name, size in zip(self.shard_names, self.output_sizes):
+            yield name, offset, size
+            offset += size
+
+    def weight_bytes(self) -> int:
+        return sum(part.tiles.numel() for part in self.parts)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight this linear computes with, dequantized to fp32 [out, in]."""
+        return torch.cat([part.dense(self.in_features) for part in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        bias = None if self.bias is None else self.bias.float()
+        out = self._kernel.gguf_linear(rows, [p.tiles for p in self.parts], [p.type_id for p in self.parts],
+                                       self.output_sizes, bias, self.portable)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        types = "+".join(part.type_name for part in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=GGUF {types}"
