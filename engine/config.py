@@ -41,6 +41,9 @@ class SpeculativeConfig:
     suffix_spec_factor: float = 1.0   # suffix: draft at most this many tokens per matched token (a long
                                       # match is a copy worth drafting far; a short one is a guess)
     dtype: str | None = None          # draft dtype; None: the target's
+    draft_vocab: int | None = None    # the draft model's output layer over the first N token ids and the
+                                      # special tokens only (BPE ids follow merge order, roughly frequency);
+                                      # None: the whole vocabulary
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -60,6 +63,9 @@ class SpeculativeConfig:
                                  f"got {list(self.proposers)}")
         else:   # a single method: `proposers` (say, merged in from a config file) does not apply
             object.__setattr__(self, "proposers", (self.method,))
+        if self.draft_vocab is not None and (not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool)
+                                             or self.draft_vocab < 1):
+            raise ValueError(f"speculative.draft_vocab must be a positive integer (token ids), got {self.draft_vocab!r}")
         if "draft" in self.proposers:
             if not self.model:
                 raise ValueError(f"speculative method {self.method!r} with a draft needs a draft model path "

@@ -241,7 +241,12 @@ class Engine:
         proposers = {m: self.proposer.proposers[m] for m in self._allowed(request)}
         return Candidate(request.request_id,
                          {m: p.max_drafts(request, limit) if limit else 0 for m, p in proposers.items()},
-                         {m: p.catch_up_tokens(request) for m, p in proposers.items()})
+                         {m: p.catch_up_tokens(request) for m, p in proposers.items()},
+                         self._remaining_tokens(request))
+
+    def _remaining_tokens(self, request: Request) -> int:
+        return max(0, min(request.params.max_tokens - request.num_output_tokens,
+                          self.scheduler.max_model_len - request.num_tokens))
 
     def _allowed(self, request: Request) -> list[str]:
         """The proposers this request may use: the engine's, narrowed by the request's own choice."""

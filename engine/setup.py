@@ -19,6 +19,7 @@ from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_lin
 from engine.models.llama import use_fused_cpu_ops
 from engine.models import gguf_linear
 from engine.models.gguf import find_gguf, open_gguf
+from engine.models.loader import special_token_ids
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model
 from engine.models.streamed_linear import check_quantization, kernel_unavailable_reason, stream_linears
 from engine.request import Request
@@ -140,6 +141,17 @@ def resolve_quantization(name: str, dtype_name: str, dtype: torch.dtype, device:
     return "gguf" if serves_gguf_blocks(model_path) else "bf16"
 
 
+def draft_output_tokens(spec, draft_config) -> torch.Tensor | None:
+    """The token ids a draft vocabulary (`speculative.draft_vocab: N`) keeps: the first N and every
+    special token (chat markers, end of text). BPE ids follow merge order, so the first ones are the
+    frequent ones; a draft that cannot propose a token only loses that draft position (the target's
+    token stands), and its proposal q, zero outside, keeps rejection sampling exact."""
+    if spec.draft_vocab is None or spec.draft_vocab >= draft_config.vocab_size:
+        return None
+    ids = set(range(spec.draft_vocab)) | {i for i in special_token_ids(spec.model) if i < draft_config.vocab_size}
+    return torch.tensor(sorted(ids))
+
+
 def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
     ids = getattr(hf_config, "eos_token_id", None)
     generation_config = os.path.join(model_path, "generation_config.json")
@@ -170,7 +182,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
-        draft_model = _prepared(load_model(spec.model, draft_dtype, device, quantization == "gguf"), draft_dtype, device, quantization)
+        draft_model = _prepared(load_model(spec.model, draft_dtype, device, quantization == "gguf",
+                                            draft_output_tokens(spec, draft_config)), draft_dtype, device, quantization)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
         head = _prepared(load_eagle_head(spec.head, target_model, dtype, device), dtype, device, quantization)

@@ -150,14 +150,15 @@ def test_the_free_proposer_wins_at_equal_acceptance():
 
 
 def test_a_long_catch_up_is_paid_only_where_drafts_repay_it():
-    """A draft model that must first catch up on 2,000 tokens is not worth one draft at alpha 0.5."""
+    """Catching a draft model up on 2,000 tokens buys drafting for the rest of the request: worth it at
+    alpha 0.5 for a long answer, not for its last few tokens (and no catch-up is always worth it)."""
     costs = synthetic_costs(draft=(0.002, 0.0002), catch_up_price=0.0001)
     policy = goodput_policy(costs, ("draft",))
-    for lag, drafts in ((0, True), (2000, False)):
-        view = StepView((Candidate("r", {"draft": MAX_K}, {"draft": lag}),))
+    for lag, remaining, drafts in ((0, 4, True), (2000, 4, False), (2000, 20_000, True)):
+        view = StepView((Candidate("r", {"draft": MAX_K}, {"draft": lag}, remaining),))
         policy.observe(policy.plan(view), StepOutcome((Verified("r", "draft", 4, 2),), None))
         plan = policy.plan(view)
-        assert bool(plan.drafts.get("r") and not plan.drafts["r"].probe) == drafts, lag
+        assert bool(plan.drafts.get("r") and not plan.drafts["r"].probe) == drafts, (lag, remaining)
 
 
 def test_the_plan_respects_what_a_proposer_can_offer():

@@ -30,6 +30,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <sys/mman.h>
+
 #include "ops.h"
 
 namespace {
@@ -165,6 +167,16 @@ void write_superblock(const Format& f, const Unpacked* u, int64_t rows, uint8_t*
         }
     p += f.value_bytes();
   }
+}
+
+// Asks for 2 MiB pages over the buffer (before it is written, so that its pages fault in huge): a
+// decode step streams every weight, and with 4 KiB pages the TLB misses cost ~10-25% of the stream.
+// Where transparent huge pages are off or "never", a no-op.
+void huge_pages(void* data, int64_t bytes) {
+  constexpr uintptr_t page = 2 << 20;
+  const uintptr_t start = (reinterpret_cast<uintptr_t>(data) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(page - 1);
+  if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
 }
 
 // A group's 16 scales s and offsets m' (w = s q - m'), from its superblock's header and group scales.
@@ -405,6 +417,7 @@ torch::Tensor gguf_repack(const torch::Tensor& raw, int64_t type, int64_t K) {
               "raw rows of ", raw.size(1), " bytes do not hold ", K, " inputs of GGUF type ", type);
   const int64_t N = raw.size(0), tiles = (N + TN - 1) / TN, blocks = K / f.block_k();
   auto out = torch::empty({tiles, f.tile_bytes(K)}, raw.options());
+  huge_pages(out.data_ptr(), out.numel());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

@@ -12,6 +12,7 @@ import argparse
 import copy
 import json
 import re
+import warnings
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -230,7 +231,9 @@ class GGUFCheckpoint:
             if kind in ("attn_q", "attn_k"):
                 heads = self.config.num_attention_heads if kind == "attn_q" else self.config.num_key_value_heads
                 array = unpermute_rotary(array, heads)
-        return torch.from_numpy(np.ascontiguousarray(array))
+        with warnings.catch_warnings():   # the file's read-only mapping: read, never written
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.ascontiguousarray(array))
 
     def tokenizer(self):
         """The file's tokenizer (with its chat template), built by transformers from the GGUF vocabulary."""

@@ -62,6 +62,7 @@ class GGUFLinear(nn.Module):
         self.shard_names = list(shard_names or [])
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self._kernel = cpu_kernels.extension()
+        self._tiles, self._types = [p.tiles for p in parts], [p.type_id for p in parts]   # the call's arguments, once
 
     def shards(self):
         """(hf sibling name, row offset, rows) per part, as FusedLinear.shards: where the loader puts the bias."""
@@ -81,9 +82,8 @@ class GGUFLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        bias = None if self.bias is None else self.bias.float()
-        out = self._kernel.gguf_linear(rows, [p.tiles for p in self.parts], [p.type_id for p in self.parts],
-                                       self.output_sizes, bias, self.portable)
+        bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
+        out = self._kernel.gguf_linear(rows, self._tiles, self._types, self.output_sizes, bias, self.portable)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

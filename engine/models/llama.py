@@ -328,9 +328,15 @@ class CausalLM(nn.Module):
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         return self.model(input_ids, positions, meta, kv_caches)
 
+    output_tokens: torch.Tensor | None = None   # an LM head over these token ids only (a draft vocabulary)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (-inf outside output_tokens)."""
+        logits = self.lm_head(hidden).float()
+        if self.output_tokens is None:
+            return logits
+        full = logits.new_full((len(logits), self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.output_tokens, logits)
 
     def set_feature_layers(self, layers: list[int]) -> None:
         """Make every forward also capture the outputs of these decoder layers (EAGLE-3's low, middle

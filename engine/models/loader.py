@@ -168,25 +168,55 @@ def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint | TorchBinCh
     return SafetensorsCheckpoint(weight_files(path))
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks: bool = False) -> CausalLM:
+def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks: bool = False,
+               output_tokens: torch.Tensor | None = None) -> CausalLM:
     """The model on device in dtype; with gguf_blocks (`quantization: gguf`), a GGUF file's linears in
-    kernel-supported types are served from their blocks (engine/models/gguf_linear.py), never dequantized."""
+    kernel-supported types are served from their blocks (engine/models/gguf_linear.py), never dequantized.
+    output_tokens (token ids): an LM head over those rows only (a draft vocabulary, see
+    CausalLM.compute_logits)."""
     config = load_hf_config(path)
     model_cls = SUPPORTED_ARCHITECTURES[architecture_of(config)]
     checkpoint = open_checkpoint(path)
     device = torch.device(device)
     with torch.device("meta"):
         model = model_cls(config)
-    served = serve_gguf_linears(model, checkpoint) if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) \
-        else frozenset()
+    served = serve_gguf_linears(model, checkpoint, output_tokens) \
+        if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else frozenset()
     load_weights(model, checkpoint, dtype, device, served)
+    if output_tokens is not None:
+        restrict_output(model, output_tokens.to(device))
     model.init_buffers(device, dtype)
     return model.eval()
 
 
-def serve_gguf_linears(model: CausalLM, checkpoint: GGUFCheckpoint) -> frozenset[str]:
+def restrict_output(model: CausalLM, token_ids: torch.Tensor) -> None:
+    """The LM head over `token_ids` only (a GGUFLinear is built over those rows already)."""
+    if isinstance(model.lm_head, nn.Linear):
+        head = nn.Linear(model.lm_head.in_features, len(token_ids), bias=False, device=token_ids.device,
+                         dtype=model.lm_head.weight.dtype)
+        head.weight = nn.Parameter(model.lm_head.weight.detach()[token_ids].clone(), requires_grad=False)
+        model.lm_head = head
+    model.output_tokens = token_ids
+
+
+def special_token_ids(path) -> list[int]:
+    """The ids of a checkpoint's control / added tokens (chat markers, end of text), from GGUF token types
+    or tokenizer.json: a draft vocabulary keeps them whatever their id."""
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        types = open_gguf(gguf_file).field("tokenizer.ggml.token_type") or []
+        return [i for i, kind in enumerate(types) if kind in (3, 4)]   # CONTROL, USER_DEFINED
+    tokenizer_json = Path(path) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        return []
+    return [added["id"] for added in json.loads(tokenizer_json.read_text()).get("added_tokens", [])]
+
+
+def serve_gguf_linears(model: CausalLM, checkpoint: GGUFCheckpoint,
+                       output_tokens: torch.Tensor | None = None) -> frozenset[str]:
     """Swap each linear of a meta model whose checkpoint tensors all have a kernel type for a GGUFLinear
-    over their blocks; returns the checkpoint names it took (their biases stay for load_weights)."""
+    over their blocks (the LM head over `output_tokens`' rows only, when given); returns the checkpoint
+    names it took (their biases stay for load_weights)."""
     names = checkpoint.tensor_names()
     served = set()
     for module_name, module in list(model.named_modules()):
@@ -201,7 +231,9 @@ def serve_gguf_linears(model: CausalLM, checkpoint: GGUFCheckpoint) -> frozenset
             keys = [f"{module_name}.weight"]
         if not all(k in names and servable(checkpoint.type_name(names[k]), module.in_features) for k in keys):
             continue
-        parts = [GGUFPart(checkpoint.raw(names[k]), checkpoint.type_name(names[k]), module.in_features) for k in keys]
+        rows = output_tokens if module_name == "lm_head" else None
+        parts = [GGUFPart(checkpoint.raw(names[k]) if rows is None else checkpoint.raw(names[k])[rows],
+                          checkpoint.type_name(names[k]), module.in_features) for k in keys]
         shards = module.shard_names if isinstance(module, FusedLinear) else None
         setattr(model.get_submodule(parent_name) if parent_name else model, child,
                 GGUFLinear(module.in_features, parts, module.bias is not None, shards))

@@ -45,6 +45,7 @@ class Candidate:
     request_id: str
     caps: dict[str, int]   # proposer -> the most drafts it can offer now (0: none)
     lags: dict[str, int]   # proposer -> tokens it must catch up on before drafting
+    remaining: int = 1 << 30   # tokens the request may still generate (its max_tokens left)
 
 
 @dataclass(frozen=True)
@@ -232,20 +233,37 @@ class GoodputPolicy:
                 continue
             rates = (self.optimistic if optimistic else self.acceptance)(c.request_id, method)
             row = rows[method]
-            catch_up = self.costs.draft(method).catch_up(c.lags.get(method, 0)) if method in MODEL_PROPOSERS else 0.0
             k = paying_depth(*rates, shadow * row, cap)   # shadow * row: the chance a draft token needs to pay
-            value = expected_tokens(*rates, k) - shadow * (k * row + catch_up)
+            tokens = expected_tokens(*rates, k)
+            value = tokens - shadow * (k * row + self._catch_up_share(c, method, tokens))
             if k > 0 and value > best_value:
                 best, best_value = _Choice(method, k, rates, row), value
         return best
 
+    def _catch_up(self, c: Candidate, method: str) -> float:
+        """Seconds a model proposer spends first catching up on the request (its prompt, at first)."""
+        return self.costs.draft(method).catch_up(c.lags.get(method, 0)) if method in MODEL_PROPOSERS else 0.0
+
+    def _catch_up_share(self, c: Candidate, method: str, tokens: float) -> float:
+        """The catch-up's share charged to a step that expects `tokens` drafts accepted: catching up
+        buys drafting for the rest of the request, so its price is spread over the tokens the request
+        may still generate. Charged whole to one step, a draft model's first catch-up (the prompt: a
+        third of a second for 150 tokens of a 0.5B draft on 2 cores) outweighed any step's gain, and
+        a 0.5B draft whose 1.5B sibling accepted 0.93 of its tokens was never tried."""
+        full = self._catch_up(c, method)
+        return full * min(1.0, (1.0 + tokens) / max(c.remaining, 1))
+
     def _best_depth(self, view: StepView, choices: dict[str, _Choice]) -> tuple[dict[str, tuple[str, int]], float]:
         """The choices cut at the depth whose exact step time gives the best goodput."""
         best, best_rate = {}, 0.0
+        by_id = {c.request_id: c for c in view.candidates}
         for depth in range(1, max((c.k for c in choices.values()), default=0) + 1):
             ks = {rid: (c.method, min(c.k, depth)) for rid, c in choices.items()}
-            tokens = len(view.candidates) + sum(expected_tokens(*c.rates, min(c.k, depth)) for c in choices.values())
-            rate = tokens / plan_time(self.costs, view, ks)
+            drafted = {rid: expected_tokens(*c.rates, min(c.k, depth)) for rid, c in choices.items()}
+            tokens = len(view.candidates) + sum(drafted.values())
+            invested = sum(self._catch_up(by_id[rid], c.method) - self._catch_up_share(by_id[rid], c.method, drafted[rid])
+                           for rid, c in choices.items())   # the catch-ups' shares, not their whole price
+            rate = tokens / (plan_time(self.costs, view, ks) - invested)
             if rate > best_rate:
                 best, best_rate = ks, rate
         return best, best_rate
@@ -273,6 +291,9 @@ class GoodputPolicy:
         planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
         price = plan_time(self.costs, view, {**planned, **{rid: (c.method, c.k) for rid, c in choices.items()}}) - \
             plan_time(self.costs, view, planned) if choices else 0.0
+        by_id = {c.request_id: c for c in idle}   # catch-ups are investments: the probe pays its share
+        price -= sum(self._catch_up(by_id[rid], c.method) - self._catch_up_share(by_id[rid], c.method, c.k)
+                     for rid, c in choices.items())
         self.credit = min(self.credit, max(price, plain_time))
         if not choices or self.credit < price:
             return {}
