@@ -170,10 +170,11 @@ OPTIONS: tuple[Option, ...] = (
            "BOOL"),
     Option("cuda_graphs", _parse_bool, "replay decode and verification passes as CUDA graphs, padded to batch "
            "buckets (GPU only; default false)", "BOOL"),
-    Option("quantization", _parse_str, "weight-only format of the linears on CPU: bf16 (2 bytes a weight) or "
-           "int8 (one scale per 32 weights, Q8_0's grouping), computed in fp32 by a C++ kernel built on first "
-           "use; none keeps the dtype's weights (default auto: bf16 where dtype auto computes in float32 on "
-           "a CPU, else none)", choices=QUANTIZATIONS),
+    Option("quantization", _parse_str, "weight-only format of the linears on CPU: gguf (a GGUF file's own "
+           "quantized blocks, int8 activations), bf16 (2 bytes a weight) or int8 (one scale per 32 weights, "
+           "Q8_0's grouping), computed by C++ kernels built on first use; none keeps the dtype's weights "
+           "(default auto: gguf for a quantized GGUF model on an AVX512-VNNI CPU, else bf16 where dtype auto "
+           "computes in float32 on a CPU, else none)", choices=QUANTIZATIONS),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
     Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
     Option("engine_core", _parse_str, "where the engine loop runs: process (its own, the default: it shares no "
