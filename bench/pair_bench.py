@@ -35,13 +35,15 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_bench import Launched  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVERS = ("ours plain", "ours default", "ours draft", "llama.cpp", "llama.cpp draft")
@@ -91,38 +93,7 @@ def passes(problem: dict, text: str) -> bool:
     return check_correctness(program, answer_code(problem, text), timeout=10.0)["passed"]
 
 
-class Server:
-    def __init__(self, name: str, command: list[str], port: int, env: dict | None = None):
-        self.name, self.port = name, port
-        self.log = open(os.path.join("/tmp", f"pair_bench_{name.replace(' ', '_')}.log"), "w")
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                     stdin=subprocess.DEVNULL, start_new_session=True)   # signals to this group stay here
-        self.url = f"http://127.0.0.1:{port}"
-
-    def wait(self, timeout: float = 900) -> "Server":
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited at start-up (see {self.log.name})")
-            try:
-                response = httpx.get(self.url + "/v1/models", timeout=2)
-                if response.status_code == 200:
-                    self.model = response.json()["data"][0]["id"]
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise SystemExit(f"{self.name} did not start within {timeout} s (see {self.log.name})")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def launch(name: str, args, config: dict, concurrency: int) -> Server:
+def launch(name: str, args, config: dict, concurrency: int) -> Launched:
     port = args.port
     if name.startswith("ours"):
         spec = {"ours plain": {"method": "none"}, "ours draft": {"method": "draft"}}.get(name)
@@ -130,15 +101,15 @@ def launch(name: str, args, config: dict, concurrency: int) -> Server:
                    "--max-num-seqs", str(max(8, concurrency))]
         if spec:
             command += ["--speculative-config", json.dumps(spec)]
-        return Server(name, command, port).wait()
+        return Launched(name, command, port, config.get("served_model_name", config["model"])).wait("/v1/models", 900)
     command = [args.llama_server, "-m", config["model"], "--port", str(port), "-t", str(args.threads),
                "-np", str(concurrency), "-c", str(4096 * concurrency), "--jinja"]
     if name == "llama.cpp draft":
         command += ["-md", config["speculative"]["model"], "--spec-type", "draft-simple", "-td", str(args.threads)]
-    return Server(name, command, port).wait()
+    return Launched(name, command, port, config["model"]).wait("/v1/models", 900)
 
 
-async def one(http: httpx.AsyncClient, server: Server, problem: dict, max_tokens: int, result: Result, texts: dict):
+async def one(http: httpx.AsyncClient, server: Launched, problem: dict, max_tokens: int, result: Result, texts: dict):
     """One chat request. Ours streams (ITL from the chunks' arrival); llama.cpp's server answers whole
     (ITL from its own `timings`): streamed, its speculative server exits after the first request
     (this sdist's llama-server; without the draft, streaming works)."""
@@ -171,7 +142,7 @@ async def one(http: httpx.AsyncClient, server: Server, problem: dict, max_tokens
     texts[problem["task_id"]] = text
 
 
-async def _streamed(http: httpx.AsyncClient, server: Server, body: dict):
+async def _streamed(http: httpx.AsyncClient, server: Launched, body: dict):
     """(usage, speculative, text, mean inter-token seconds) of a streamed chat request."""
     first = last = None
     text, usage, spec = [], None, None
@@ -193,7 +164,7 @@ async def _streamed(http: httpx.AsyncClient, server: Server, body: dict):
     return usage, spec, "".join(text), itl
 
 
-async def drive(server: Server, problems: list[dict], concurrency: int, max_tokens: int) -> Result:
+async def drive(server: Launched, problems: list[dict], concurrency: int, max_tokens: int) -> Result:
     result, texts, queue = Result(), {}, list(problems)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800)) as http:
         async def worker():

@@ -123,7 +123,8 @@ class Launched:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix=f"serve_bench_{name}_", suffix=".log", delete=False)
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+                                        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+                                        stdin=subprocess.DEVNULL, start_new_session=True)   # our signals stay ours
 
     def wait(self, path: str, timeout: float = 600) -> "Launched":
         deadline = time.monotonic() + timeout

@@ -197,6 +197,24 @@ void group_scales(const Format& f, const uint8_t* header, const uint8_t* gs, Gro
   }
 }
 
+// fn(k, scales, values) for every group of a tile in order: its first input, its 16 outputs' s and m',
+// and its value bytes (see value_at).
+template <typename Fn>
+void for_each_group(const Format& f, const uint8_t* tile, int64_t K, Fn&& fn) {
+  const uint8_t* p = tile;
+  GroupScales gsc;
+  for (int64_t k0 = 0; k0 < K; k0 += f.block_k()) {
+    const uint8_t* header = p;
+    p += f.header_bytes();
+    for (int64_t g = 0; g < f.GPS; ++g) {
+      group_scales(f, header, p, gsc);
+      p += f.group_scale_bytes();
+      fn(k0 + g * f.G, gsc, p);
+      p += f.value_bytes();
+    }
+  }
+}
+
 // The unsigned value of output o, input i of a group's value bytes.
 inline int value_at(const Format& f, const uint8_t* v, int64_t o, int64_t i) {
   const int64_t kq = i / 4, lane = o * 4 + i % 4, KQ = f.G / 4;
@@ -363,33 +381,23 @@ void tile_portable(const Format& f, const uint8_t* tile, const Acts& a, int64_t 
                    int64_t n_valid, const float* bias) {
   const int64_t K = a.K;
   std::vector<float> acc(M * TN, 0.f);
-  const uint8_t* p = tile;
-  GroupScales gsc;
-  for (int64_t k0 = 0; k0 < K; k0 += f.block_k()) {
-    const uint8_t* header = p;
-    p += f.header_bytes();
-    for (int64_t g = 0; g < f.GPS; ++g) {
-      group_scales(f, header, p, gsc);
-      p += f.group_scale_bytes();
-      const int64_t k = k0 + g * f.G;
-      for (int64_t o = 0; o < TN; ++o) {
-        int q[32];
-        for (int64_t i = 0; i < f.G; ++i) q[i] = value_at(f, p, o, i);
-        for (int64_t row = 0; row < M; ++row) {
-          const int8_t* xq = a.q + row * K + k;
-          int32_t sum = 0;
-          for (int64_t i = 0; i < f.G; ++i) sum += q[i] * xq[i];
-          const float ax = a.ax[row * (K / QK) + k / QK];
-          const float xs = f.G == 32 ? a.xs[row * (K / 16) + k / 16] + a.xs[row * (K / 16) + k / 16 + 1]
-                                     : a.xs[row * (K / 16) + k / 16];
-          float& out = acc[row * TN + o];
-          out = std::fma(static_cast<float>(sum), gsc.s[o] * ax, out);
-          out = std::fma(-gsc.m[o], xs, out);
-        }
+  for_each_group(f, tile, K, [&](int64_t k, const GroupScales& gsc, const uint8_t* values) {
+    for (int64_t o = 0; o < TN; ++o) {
+      int q[32];
+      for (int64_t i = 0; i < f.G; ++i) q[i] = value_at(f, values, o, i);
+      for (int64_t row = 0; row < M; ++row) {
+        const int8_t* xq = a.q + row * K + k;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < f.G; ++i) sum += q[i] * xq[i];
+        const float ax = a.ax[row * (K / QK) + k / QK];
+        const float xs = f.G == 32 ? a.xs[row * (K / 16) + k / 16] + a.xs[row * (K / 16) + k / 16 + 1]
+                                   : a.xs[row * (K / 16) + k / 16];
+        float& out = acc[row * TN + o];
+        out = std::fma(static_cast<float>(sum), gsc.s[o] * ax, out);
+        out = std::fma(-gsc.m[o], xs, out);
       }
-      p += f.value_bytes();
     }
-  }
+  });
   for (int64_t row = 0; row < M; ++row)
     for (int64_t o = 0; o < n_valid; ++o) y[row * ldy + o] = acc[row * TN + o] + (bias ? bias[o] : 0.f);
 }
@@ -440,22 +448,14 @@ torch::Tensor gguf_dequantize_tiles(const torch::Tensor& tiles, int64_t type, in
   auto w = torch::empty({N, K}, tiles.options().dtype(torch::kFloat));
   float* out = w.data_ptr<float>();
   at::parallel_for(0, tiles.size(0), 1, [&](int64_t begin, int64_t end) {
-    GroupScales gsc;
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* p = tiles.data_ptr<uint8_t>() + t * f.tile_bytes(K);
       const int64_t rows = std::min(TN, N - t * TN);
-      for (int64_t k0 = 0; k0 < K; k0 += f.block_k()) {
-        const uint8_t* header = p;
-        p += f.header_bytes();
-        for (int64_t g = 0; g < f.GPS; ++g) {
-          group_scales(f, header, p, gsc);
-          p += f.group_scale_bytes();
-          for (int64_t o = 0; o < rows; ++o)
-            for (int64_t i = 0; i < f.G; ++i)
-              out[(t * TN + o) * K + k0 + g * f.G + i] = gsc.s[o] * static_cast<float>(value_at(f, p, o, i)) - gsc.m[o];
-          p += f.value_bytes();
-        }
-      }
+      for_each_group(f, tiles.data_ptr<uint8_t>() + t * f.tile_bytes(K), K,
+                     [&](int64_t k, const GroupScales& gsc, const uint8_t* values) {
+        for (int64_t o = 0; o < rows; ++o)
+          for (int64_t i = 0; i < f.G; ++i)
+            out[(t * TN + o) * K + k + i] = gsc.s[o] * static_cast<float>(value_at(f, values, o, i)) - gsc.m[o];
+      });
     }
   });
   return w;
