@@ -127,6 +127,19 @@ def test_model_from_blocks_decodes_the_dequantized_models_tokens(qwen, tmp_path,
     assert blocks.token_ids == dense.token_ids
 
 
+def test_quantization_auto_serves_a_quantized_gguf_from_its_blocks_where_vnni_runs(qwen, tmp_path, monkeypatch):
+    from engine import setup
+
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    quantized, dense = to_gguf(qwen, tmp_path / "q.gguf", "Q8_0"), to_gguf(qwen, tmp_path / "f.gguf", "F32")
+    expected = "gguf" if vnni_available() else "bf16"
+    assert setup.resolve_quantization("auto", "auto", fp32, cpu, str(quantized)) == expected
+    assert setup.resolve_quantization("auto", "auto", fp32, cpu, str(dense)) == "bf16"   # nothing to serve as blocks
+    assert setup.resolve_quantization("auto", "auto", fp32, cpu, str(qwen)) == "bf16"
+    monkeypatch.setattr(setup.gguf_linear, "vnni_available", lambda: False)   # the portable loop is slower than bf16
+    assert setup.resolve_quantization("auto", "auto", fp32, cpu, str(quantized)) == "bf16"
+
+
 def test_a_safetensors_model_under_gguf_serves_its_linears_as_bf16(qwen):
     llm = LLM(str(qwen), quantization="gguf")
     assert llm.engine.quantization == "gguf"

@@ -276,10 +276,11 @@ def _hf_state(path: str, replaced: dict[str, torch.Tensor]) -> dict[str, torch.T
 def test_quantization_errors_name_the_problem(pair, monkeypatch):
     from engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, bf16, int8, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, bf16, int8, gguf, got 'int4'"):
         EngineConfig(model=pair[0], quantization="int4")
-    with pytest.raises(ValueError, match="CPU weight format; this engine runs on cuda"):
-        check_quantization("int8", torch.device("cuda"))
+    for name in ("int8", "gguf"):
+        with pytest.raises(ValueError, match="CPU weight format; this engine runs on cuda"):
+            check_quantization(name, torch.device("cuda"))
     check_quantization("none", torch.device("cuda"))
     monkeypatch.setattr(streamed_linear, "kernel_unavailable_reason", lambda: "this CPU lacks avx2")
     with pytest.raises(ValueError, match="quantization 'bf16' is not available: this CPU lacks avx2"):
