@@ -43,7 +43,7 @@ import httpx
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_bench import Launched  # noqa: E402
+from serve_bench import Launched, sse_chunks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVERS = ("ours plain", "ours default", "ours draft", "llama.cpp", "llama.cpp draft")
@@ -148,10 +148,7 @@ async def _streamed(http: httpx.AsyncClient, server: Launched, body: dict):
     text, usage, spec = [], None, None
     async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             usage = chunk.get("usage") or usage
             spec = chunk.get("speculative") or spec
             for choice in chunk.get("choices", []):

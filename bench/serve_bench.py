@@ -185,6 +185,13 @@ def launch_llamacpp(gguf: str | None, port: int) -> Launched | None:
 
 # ---- the client ----------------------------------------------------------------------------------
 
+async def sse_chunks(response: httpx.Response):
+    """The JSON chunks of a streamed OpenAI response: its "data: " lines up to [DONE]."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def one_request(http: httpx.AsyncClient, server: Launched, question: str, max_tokens: int, result: Result):
     body = {"model": server.model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **server.extra_body}
@@ -194,10 +201,7 @@ async def one_request(http: httpx.AsyncClient, server: Launched, question: str, 
     tokens = 0
     async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if not any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):

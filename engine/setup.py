@@ -19,8 +19,7 @@ from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_lin
 from engine.models.llama import use_fused_cpu_ops
 from engine.models import gguf_linear
 from engine.models.gguf import find_gguf, open_gguf
-from engine.models.loader import special_token_ids
-from engine.models.loader import check_same_tokenizer, load_hf_config, load_model
+from engine.models.loader import check_same_tokenizer, load_hf_config, load_model, special_token_ids
 from engine.models.streamed_linear import check_quantization, kernel_unavailable_reason, stream_linears
 from engine.request import Request
 from engine.sampling_params import SamplingParams

@@ -9,7 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_bf16_blocks", &unpack_bf16_blocks, "the blocked layout -> bf16 [N, K]");
   m.def("linear_bf16_blocks", &linear_bf16_blocks, "bf16(x fp32 [M, K]) @ bf16 blocks^T (+ bias), fp32 sums");
   m.def("has_avx512_vnni", &has_avx512_vnni, "whether this CPU runs gguf_linear's AVX512-VNNI path");
-  m.def("gguf_kernel_types", &gguf_kernel_types, "the GGUF type ids gguf_linear serves");
   m.def("gguf_repack", &gguf_repack, "GGUF blocks uint8 [N, row bytes] -> gguf_linear's tiles");
   m.def("gguf_dequantize_tiles", &gguf_dequantize_tiles, "tiles -> the fp32 weight [N, K] they hold");
   m.def("gguf_linear", &gguf_linear, "int8(x fp32 [M, K]) @ tiles^T (+ bias), parts side by side -> fp32 [M, N]");

@@ -233,6 +233,13 @@ struct Acts {
   const int8_t* q;
   const float *ax, *xs;
   int64_t K;
+
+  float scale(int64_t row, int64_t k) const { return ax[row * (K / QK) + k / QK]; }
+  // ax times the sum of xq over the group of G (16 or 32) inputs from k.
+  float offset_sum(int64_t row, int64_t k, int64_t G) const {
+    const float* s = xs + row * (K / 16) + k / 16;
+    return G == 32 ? s[0] + s[1] : s[0];
+  }
 };
 
 Acts quantize_rows(const torch::Tensor& x) {
@@ -333,11 +340,8 @@ VNNI void tile_rows(const Format& f, const uint8_t* tile, const Acts& a, int64_t
         }
       for (int r = 0; r < R; ++r) {
         const int64_t row = m0 + r;
-        const float ax = a.ax[row * (K / QK) + k / QK];
-        const float xs = G == 32 ? a.xs[row * (K / 16) + k / 16] + a.xs[row * (K / 16) + k / 16 + 1]
-                                 : a.xs[row * (K / 16) + k / 16];
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(s, _mm512_set1_ps(ax)), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(xs), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(s, _mm512_set1_ps(a.scale(row, k))), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(a.offset_sum(row, k, G)), acc[r]);
       }
     }
   }
@@ -389,12 +393,9 @@ void tile_portable(const Format& f, const uint8_t* tile, const Acts& a, int64_t 
         const int8_t* xq = a.q + row * K + k;
         int32_t sum = 0;
         for (int64_t i = 0; i < f.G; ++i) sum += q[i] * xq[i];
-        const float ax = a.ax[row * (K / QK) + k / QK];
-        const float xs = f.G == 32 ? a.xs[row * (K / 16) + k / 16] + a.xs[row * (K / 16) + k / 16 + 1]
-                                   : a.xs[row * (K / 16) + k / 16];
         float& out = acc[row * TN + o];
-        out = std::fma(static_cast<float>(sum), gsc.s[o] * ax, out);
-        out = std::fma(-gsc.m[o], xs, out);
+        out = std::fma(static_cast<float>(sum), gsc.s[o] * a.scale(row, k), out);
+        out = std::fma(-gsc.m[o], a.offset_sum(row, k, f.G), out);
       }
     }
   });
@@ -415,8 +416,6 @@ bool has_avx512_vnni() {
   }();
   return supported;
 }
-
-std::vector<int64_t> gguf_kernel_types() { return {Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K}; }
 
 torch::Tensor gguf_repack(const torch::Tensor& raw, int64_t type, int64_t K) {
   const Format f = format_of(type);
@@ -468,13 +467,19 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const std::vector<torch::Tenso
   TORCH_CHECK(tiles.size() == types.size() && tiles.size() == sizes.size(), "one type and size per part");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  int64_t N = 0;
+  // One parallel region over every part's tiles (a fused q/k/v's small k and v parts would leave a
+  // thread idle in regions of their own): tile t of the pass is tile t - first[i] of part i, whose
+  // outputs start at column offsets[i].
+  std::vector<int64_t> first(tiles.size() + 1, 0), offsets(tiles.size() + 1, 0);
+  std::vector<Format> formats;
   for (size_t i = 0; i < tiles.size(); ++i) {
-    const Format f = format_of(types[i]);
-    TORCH_CHECK(tiles[i].size(0) == (sizes[i] + TN - 1) / TN && tiles[i].size(1) == f.tile_bytes(K) &&
+    formats.push_back(format_of(types[i]));
+    TORCH_CHECK(tiles[i].size(0) == (sizes[i] + TN - 1) / TN && tiles[i].size(1) == formats[i].tile_bytes(K) &&
                     tiles[i].is_contiguous(), "part ", i, ": tiles do not match [", sizes[i], ", ", K, "]");
-    N += sizes[i];
+    first[i + 1] = first[i] + tiles[i].size(0);
+    offsets[i + 1] = offsets[i] + sizes[i];
   }
+  const int64_t N = offsets.back();
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N, "bias: fp32 [N]");
   const bool vnni = !portable && has_avx512_vnni();
   auto y = torch::empty({M, N}, x.options());
@@ -482,15 +487,6 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const std::vector<torch::Tenso
   const Acts a = quantize_rows(x);
   float* out = y.data_ptr<float>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  // One parallel region over every part's tiles (a fused q/k/v's small k and v parts would leave a
-  // thread idle in regions of their own): tile t of the pass is tile t - first[i] of part i.
-  std::vector<int64_t> first(tiles.size() + 1, 0), offsets(tiles.size(), 0);
-  std::vector<Format> formats;
-  for (size_t i = 0; i < tiles.size(); ++i) {
-    formats.push_back(format_of(types[i]));
-    first[i + 1] = first[i] + tiles[i].size(0);
-    if (i) offsets[i] = offsets[i - 1] + sizes[i - 1];
-  }
   at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
     size_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t pass_tile = begin; pass_tile < end; ++pass_tile) {

@@ -20,7 +20,6 @@ torch::Tensor linear_bf16_blocks(const torch::Tensor& x, const torch::Tensor& bl
 
 // gguf_linear.cpp: linears over GGUF's quantized blocks, repacked once into 16-output tiles.
 bool has_avx512_vnni();
-std::vector<int64_t> gguf_kernel_types();
 torch::Tensor gguf_repack(const torch::Tensor& raw, int64_t type, int64_t K);
 torch::Tensor gguf_dequantize_tiles(const torch::Tensor& tiles, int64_t type, int64_t N, int64_t K);
 torch::Tensor gguf_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& tiles,

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
+from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding, scatter_draft_logits
 
 HEAD_FORMAT = 1
 FEATURE = "final_norm_hidden"
@@ -74,13 +74,6 @@ class SelfDraftingHead(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "init_buffers"):
                 module.init_buffers(device, dtype)
-
-
-def scatter_draft_logits(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Logits over a draft vocabulary [n, len(token_ids)] -> [n, vocab_size] float32, -inf elsewhere
-    (the proposal gives the tokens outside it no mass)."""
-    logits = small.new_full((len(small), vocab_size), float("-inf"), dtype=torch.float32)
-    return logits.index_copy_(1, token_ids, small.float())
 
 
 class EagleHead(SelfDraftingHead):

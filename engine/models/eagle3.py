@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.models.eagle import SelfDraftingHead, scatter_draft_logits
-from engine.models.llama import CausalLM, DecoderLayer, FusedLinear, RMSNorm
+from engine.models.eagle import SelfDraftingHead
+from engine.models.llama import CausalLM, DecoderLayer, FusedLinear, RMSNorm, scatter_draft_logits
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 OWN_EMBEDDINGS = "embed_tokens.weight"

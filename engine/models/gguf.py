@@ -204,13 +204,16 @@ class GGUFCheckpoint:
         tensor = self._tensors[gguf_name]
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = array.reshape([int(d) for d in reversed(tensor.shape)])   # GGUF lists dims innermost first
-        if self.architecture == "llama":
-            kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-            if kind == "attn_q":
-                array = unpermute_rotary(array, self.config.num_attention_heads)
-            elif kind == "attn_k":
-                array = unpermute_rotary(array, self.config.num_key_value_heads)
-        return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))   # a writable copy
+        return torch.from_numpy(np.array(self._hf_rows(gguf_name, array), dtype=np.float32, order="C"))   # a writable copy
+
+    def _hf_rows(self, gguf_name: str, array: np.ndarray) -> np.ndarray:
+        """A tensor's rows in Hugging Face order: llama.cpp stores a Llama's q/k rows with each head's
+        rotary halves interleaved (unpermute_rotary); every other tensor as is."""
+        kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+        if self.architecture != "llama" or kind not in ("attn_q", "attn_k"):
+            return array
+        heads = self.config.num_attention_heads if kind == "attn_q" else self.config.num_key_value_heads
+        return unpermute_rotary(array, heads)
 
     def tensors(self, skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, dequantized tensor) for every tensor but those named in `skip` (never dequantized)."""
@@ -223,14 +226,9 @@ class GGUFCheckpoint:
 
     def raw(self, gguf_name: str) -> torch.Tensor:
         """A matrix's blocks as stored, uint8 [rows, bytes a row], rows in HF order (a Llama's q/k rows
-        un-interleaved as in `tensor`): what engine/models/gguf_linear.py repacks."""
+        in HF order as in `tensor`): what engine/models/gguf_linear.py repacks."""
         tensor = self._tensors[gguf_name]
-        array = np.asarray(tensor.data).reshape(int(tensor.shape[-1]), -1)
-        if self.architecture == "llama" and gguf_name.startswith("blk."):
-            kind = gguf_name.split(".")[2]
-            if kind in ("attn_q", "attn_k"):
-                heads = self.config.num_attention_heads if kind == "attn_q" else self.config.num_key_value_heads
-                array = unpermute_rotary(array, heads)
+        array = self._hf_rows(gguf_name, np.asarray(tensor.data).reshape(int(tensor.shape[-1]), -1))
         with warnings.catch_warnings():   # the file's read-only mapping: read, never written
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(np.ascontiguousarray(array))

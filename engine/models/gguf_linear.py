@@ -15,13 +15,14 @@ stores some v projections in Q6_K and their q/k siblings in Q4_K.
 from __future__ import annotations
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from engine import cpu_kernels
+from engine.models.llama import FusedLinear
 
-# GGUF type ids (ggml.h) with a kernel, by name.
-KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-BLOCK_INPUTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}
+# The GGUF types with a kernel, by name: their type ids (ggml.h), as gguf_linear.cpp takes them.
+KERNEL_TYPES = {name: int(GGMLQuantizationType[name]) for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")}
 
 
 def unavailable_reason() -> str | None:
@@ -34,7 +35,7 @@ def vnni_available() -> bool:
 
 
 def servable(type_name: str, in_features: int) -> bool:
-    return type_name in KERNEL_TYPES and in_features % BLOCK_INPUTS[type_name] == 0
+    return type_name in KERNEL_TYPES and in_features % GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0] == 0
 
 
 class GGUFPart:
@@ -43,9 +44,6 @@ class GGUFPart:
     def __init__(self, raw: torch.Tensor, type_name: str, in_features: int):
         self.type_name, self.type_id, self.rows = type_name, KERNEL_TYPES[type_name], raw.shape[0]
         self.tiles = cpu_kernels.extension().gguf_repack(raw.contiguous(), self.type_id, in_features)
-
-    def dense(self, in_features: int) -> torch.Tensor:
-        return cpu_kernels.extension().gguf_dequantize_tiles(self.tiles, self.type_id, self.rows, in_features)
 
 
 class GGUFLinear(nn.Module):
@@ -64,19 +62,7 @@ class GGUFLinear(nn.Module):
         self._kernel = cpu_kernels.extension()
         self._tiles, self._types = [p.tiles for p in parts], [p.type_id for p in parts]   # the call's arguments, once
 
-    def shards(self):
-        """(hf sibling name, row offset, rows) per part, as FusedLinear.shards: where the loader puts the bias."""
-        offset = 0
-        for name, size in zip(self.shard_names, self.output_sizes):
-            yield name, offset, size
-            offset += size
-
-    def weight_bytes(self) -> int:
-        return sum(part.tiles.numel() for part in self.parts)
-
-    def dense_weight(self) -> torch.Tensor:
-        """The weight this linear computes with, dequantized to fp32 [out, in]."""
-        return torch.cat([part.dense(self.in_features) for part in self.parts])
+    shards = FusedLinear.shards   # (hf sibling name, row offset, rows) per part: where the loader puts the bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

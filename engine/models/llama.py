@@ -56,6 +56,14 @@ class FusedLinear(nn.Linear):
             offset += size
 
 
+def scatter_draft_logits(small: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary [n, len(token_ids)] -> [n, vocab_size] float32, -inf elsewhere
+    (the proposal gives the tokens outside it no mass). A draft model's vocabulary (CausalLM.output_tokens)
+    and the EAGLE heads' use it."""
+    logits = small.new_full((len(small), vocab_size), float("-inf"), dtype=torch.float32)
+    return logits.index_copy_(1, token_ids, small.float())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, inv_size: float) -> torch.Tensor:
     """Hugging Face's RMSNorm: normalise in fp32, round to x's dtype, then scale by weight.
 
@@ -333,10 +341,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (-inf outside output_tokens)."""
         logits = self.lm_head(hidden).float()
-        if self.output_tokens is None:
-            return logits
-        full = logits.new_full((len(logits), self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.output_tokens, logits)
+        return logits if self.output_tokens is None else scatter_draft_logits(logits, self.output_tokens, self.vocab_size)
 
     def set_feature_layers(self, layers: list[int]) -> None:
         """Make every forward also capture the outputs of these decoder layers (EAGLE-3's low, middle

@@ -253,6 +253,11 @@ class GoodputPolicy:
         full = self._catch_up(c, method)
         return full * min(1.0, (1.0 + tokens) / max(c.remaining, 1))
 
+    def _catch_up_rebate(self, c: Candidate, method: str, tokens: float) -> float:
+        """What a step's price (plan_time, which counts a catch-up whole) overstates: all of the catch-up
+        but the step's share of it."""
+        return self._catch_up(c, method) - self._catch_up_share(c, method, tokens)
+
     def _best_depth(self, view: StepView, choices: dict[str, _Choice]) -> tuple[dict[str, tuple[str, int]], float]:
         """The choices cut at the depth whose exact step time gives the best goodput."""
         best, best_rate = {}, 0.0
@@ -261,9 +266,8 @@ class GoodputPolicy:
             ks = {rid: (c.method, min(c.k, depth)) for rid, c in choices.items()}
             drafted = {rid: expected_tokens(*c.rates, min(c.k, depth)) for rid, c in choices.items()}
             tokens = len(view.candidates) + sum(drafted.values())
-            invested = sum(self._catch_up(by_id[rid], c.method) - self._catch_up_share(by_id[rid], c.method, drafted[rid])
-                           for rid, c in choices.items())   # the catch-ups' shares, not their whole price
-            rate = tokens / (plan_time(self.costs, view, ks) - invested)
+            rebate = sum(self._catch_up_rebate(by_id[rid], c.method, drafted[rid]) for rid, c in choices.items())
+            rate = tokens / (plan_time(self.costs, view, ks) - rebate)
             if rate > best_rate:
                 best, best_rate = ks, rate
         return best, best_rate
@@ -292,8 +296,7 @@ class GoodputPolicy:
         price = plan_time(self.costs, view, {**planned, **{rid: (c.method, c.k) for rid, c in choices.items()}}) - \
             plan_time(self.costs, view, planned) if choices else 0.0
         by_id = {c.request_id: c for c in idle}   # catch-ups are investments: the probe pays its share
-        price -= sum(self._catch_up(by_id[rid], c.method) - self._catch_up_share(by_id[rid], c.method, c.k)
-                     for rid, c in choices.items())
+        price -= sum(self._catch_up_rebate(by_id[rid], c.method, c.k) for rid, c in choices.items())
         self.credit = min(self.credit, max(price, plain_time))
         if not choices or self.credit < price:
             return {}
