@@ -111,8 +111,14 @@ class DraftRates:
         self.first.age()
         self.rest.age()
 
-    def mean(self, prior: tuple[float, float] = (0.5, 0.5), weight: float = 0.0) -> tuple[float, float]:
+    def mean(self, prior: tuple[float, float] | None = None, weight: float = 0.0) -> tuple[float, float]:
+        """(first, rest), each shrunk toward its prior by `weight` pseudo-tokens. Without a prior (the
+        engine-wide rates) a later token is taken to be as likely as the first until later tokens
+        have been judged: the rest rate is only judged where a draft goes past its first token, and
+        a prior far below the first rate (0.5 against a draft model's 0.98) would keep every draft at
+        one token, which never judges the rest."""
+        if prior is None:
+            first = self.first.mean()
+            return first, self.rest.mean(first, PRIOR_WEIGHT)
         return self.first.mean(prior[0], weight), self.rest.mean(prior[1], weight)
 
-    def upper(self, prior: tuple[float, float] = (0.5, 0.5), weight: float = 0.0) -> tuple[float, float]:
-        return self.first.upper(prior[0], weight), self.rest.upper(prior[1], weight)
