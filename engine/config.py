@@ -41,6 +41,10 @@ class SpeculativeConfig:
     suffix_spec_factor: float = 1.0   # suffix: draft at most this many tokens per matched token (a long
                                       # match is a copy worth drafting far; a short one is a guess)
     dtype: str | None = None          # draft dtype; None: the target's
+    quantization: str | None = None   # the draft model's linears re-quantized at load into this GGUF type
+                                      # (q4_0 | q4_1 | q5_0 | q8_0), served by the CPU's GGUF kernels: a
+                                      # draft step reads fewer bytes; acceptance may drop, output never
+                                      # changes. None: the draft's weights served as the target's are
     draft_vocab: int | None = None    # the draft model's output layer over the first N token ids and the
                                       # special tokens only (BPE ids follow merge order, roughly frequency);
                                       # None: the whole vocabulary
@@ -99,6 +103,15 @@ class SpeculativeConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"speculative.dtype must be one of {', '.join(DTYPES)} (or unset: the target's), "
                              f"got {self.dtype!r}")
+        if self.quantization is not None:
+            types = ("q4_0", "q4_1", "q5_0", "q8_0")
+            if not isinstance(self.quantization, str) or self.quantization.lower() not in types:
+                raise ValueError(f"speculative.quantization must be one of {', '.join(types)} (or unset: the "
+                                 f"draft served as the target), got {self.quantization!r}")
+            if "draft" not in self.proposers:
+                raise ValueError("speculative.quantization re-quantizes a draft model: it needs the draft "
+                                 f"proposer (method draft or auto with speculative.model), method is {self.method!r}")
+            object.__setattr__(self, "quantization", self.quantization.lower())
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature must be >= 0, got {self.draft_temperature}")
         if self.draft_p_min is not None and not 0.0 <= self.draft_p_min <= 1.0:

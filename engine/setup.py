@@ -151,6 +151,23 @@ def draft_output_tokens(spec, draft_config) -> torch.Tensor | None:
     return torch.tensor(sorted(ids))
 
 
+def _draft_requantization(spec, device: torch.device) -> str | None:
+    """The GGUF type the draft's linears are re-quantized into (`speculative.quantization`), upper case;
+    a CPU option: it serves them with the GGUF kernels."""
+    if spec.quantization is None:
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"speculative.quantization ({spec.quantization}) serves the draft with the CPU's GGUF "
+                         f"kernels; the engine runs on {device}")
+    reason = gguf_linear.unavailable_reason()
+    if reason:
+        raise ValueError(f"speculative.quantization ({spec.quantization}) needs the CPU kernels: {reason}")
+    if not gguf_linear.vnni_available():
+        logger.warning("speculative.quantization %s: no AVX512-VNNI here, the draft runs on the portable "
+                       "(slow) GGUF loop", spec.quantization)
+    return spec.quantization.upper()
+
+
 def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
     ids = getattr(hf_config, "eos_token_id", None)
     generation_config = os.path.join(model_path, "generation_config.json")
@@ -181,8 +198,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
+        requantize = _draft_requantization(spec, device)
         draft_model = _prepared(load_model(spec.model, draft_dtype, device, quantization == "gguf",
-                                            draft_output_tokens(spec, draft_config)), draft_dtype, device, quantization)
+                                           draft_output_tokens(spec, draft_config), requantize),
+                                draft_dtype, device, quantization)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
         head = _prepared(load_eagle_head(spec.head, target_model, dtype, device), dtype, device, quantization)

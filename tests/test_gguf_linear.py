@@ -174,3 +174,44 @@ def test_a_bad_draft_vocabulary_is_an_error_naming_it():
     for bad in (0, -5, True, "32k"):
         with pytest.raises(ValueError, match="draft_vocab"):
             SpeculativeConfig(method="ngram", draft_vocab=bad)
+
+
+@pytest.mark.parametrize("draft_format", ["safetensors", "gguf"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_a_requantized_draft_keeps_greedy_decoding_exact(qwen, tmp_path, draft_format, qtype):
+    """`speculative.quantization`: the draft's linears quantized at load (from a dense checkpoint or a
+    GGUF file's dequantized blocks) and served by the GGUF kernels; the output is the target's."""
+    draft = qwen if draft_format == "safetensors" else to_gguf(qwen, tmp_path / "draft.gguf", "Q8_0")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(qwen), quantization="none").generate([PROMPT], params)[0]
+    spec = {"method": "draft", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False,
+            "quantization": qtype, "draft_vocab": 256}
+    llm = LLM(str(qwen), quantization="none", speculative=spec)
+    out = llm.generate([PROMPT], params)[0]
+    assert out.token_ids == plain.token_ids and out.spec.proposed > 0 and out.spec.accepted > 0
+    model = llm.engine.proposer.proposers["draft"].runner.model
+    served = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert len(served) == 2 * 4 + 1 and {p.type_name for m in served for p in m.parts} == {qtype.upper()}
+    assert model.lm_head.out_features == len(model.output_tokens)   # the draft vocabulary's rows of the blocks
+    assert not any(isinstance(m, GGUFLinear) for m in llm.engine.target.model.modules())   # the target as asked
+
+
+def test_quantize_blocks_is_ggufs_quantizer():
+    from engine.models.gguf_linear import quantize_blocks
+
+    weight = torch.randn(48, 64)
+    for type_name in ("Q4_0", "Q8_0"):
+        blocks = quantize_blocks(weight, type_name)
+        assert blocks.dtype == torch.uint8 and blocks.shape[0] == 48
+        back = dequantized(blocks.numpy(), type_name, 48, 64)
+        assert (back - weight).abs().max() < (0.2 if type_name == "Q4_0" else 0.02) * weight.abs().max()
+
+
+def test_a_bad_draft_quantization_is_an_error_naming_it():
+    from engine.config import SpeculativeConfig
+
+    for bad in ("q4_k", "int8", 4):
+        with pytest.raises(ValueError, match="speculative.quantization must be one of"):
+            SpeculativeConfig(method="ngram", quantization=bad)
+    with pytest.raises(ValueError, match="needs the draft proposer"):
+        SpeculativeConfig(method="ngram", quantization="q4_0")

@@ -25,6 +25,20 @@ from engine.models.llama import FusedLinear
 KERNEL_TYPES = {name: int(GGMLQuantizationType[name]) for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")}
 
 
+# The kernel types gguf's quantizer writes: what a draft's weights may be re-quantized into at load
+# (`speculative.quantization`). A draft's precision moves only its acceptance, never the output.
+REQUANTIZE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+
+
+def quantize_blocks(weight: torch.Tensor, type_name: str) -> torch.Tensor:
+    """A float matrix [out, in] as GGUF blocks of `type_name` (uint8 [out, bytes a row]), by gguf's
+    reference quantizer (llama.cpp's rounding)."""
+    from gguf import quants
+
+    array = weight.detach().float().cpu().contiguous().numpy()
+    return torch.from_numpy(quants.quantize(array, GGMLQuantizationType[type_name]))
+
+
 def unavailable_reason() -> str | None:
     """None when `quantization: gguf` can serve here; its fast path also needs AVX512-VNNI (vnni_available)."""
     return cpu_kernels.unavailable_reason()

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.gguf import GGUFCheckpoint, find_gguf, open_gguf
-from engine.models.gguf_linear import GGUFLinear, GGUFPart, servable
+from engine.models.gguf_linear import GGUFLinear, GGUFPart, quantize_blocks, servable
 from engine.models.llama import CausalLM, FusedLinear
 
 SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -127,11 +127,12 @@ class SafetensorsCheckpoint:
     def tensor_names(self):
         return self.where.keys()
 
-    def tensors(self):
+    def tensors(self, skip=frozenset()):
         for file in self.files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    yield key, f.get_tensor(key)
+                    if key not in skip:
+                        yield key, f.get_tensor(key)
 
     def get(self, name: str) -> torch.Tensor | None:
         """One tensor, reading no other; None when the checkpoint has none of that name."""
@@ -151,8 +152,8 @@ class TorchBinCheckpoint:
     def tensor_names(self):
         return self.state.keys()
 
-    def tensors(self):
-        yield from self.state.items()
+    def tensors(self, skip=frozenset()):
+        yield from ((key, tensor) for key, tensor in self.state.items() if key not in skip)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.state.get(name)
@@ -169,9 +170,11 @@ def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint | TorchBinCh
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks: bool = False,
-               output_tokens: torch.Tensor | None = None) -> CausalLM:
+               output_tokens: torch.Tensor | None = None, requantize: str | None = None) -> CausalLM:
     """The model on device in dtype; with gguf_blocks (`quantization: gguf`), a GGUF file's linears in
-    kernel-supported types are served from their blocks (engine/models/gguf_linear.py), never dequantized.
+    kernel-supported types are served from their blocks (engine/models/gguf_linear.py), never dequantized;
+    with `requantize` (a GGUF type name: a draft's `speculative.quantization`), every linear of any
+    checkpoint is quantized into that type at load and served by the same kernels.
     output_tokens (token ids): an LM head over those rows only (a draft vocabulary, see
     CausalLM.compute_logits)."""
     config = load_hf_config(path)
@@ -180,8 +183,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks:
     device = torch.device(device)
     with torch.device("meta"):
         model = model_cls(config)
-    served = serve_gguf_linears(model, checkpoint, output_tokens) \
-        if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else frozenset()
+    served = serve_gguf_linears(model, checkpoint, output_tokens, requantize) \
+        if requantize or (gguf_blocks and isinstance(checkpoint, GGUFCheckpoint)) else frozenset()
     load_weights(model, checkpoint, dtype, device, served)
     if output_tokens is not None:
         restrict_output(model, output_tokens.to(device))
@@ -212,12 +215,14 @@ def special_token_ids(path) -> list[int]:
     return [added["id"] for added in json.loads(tokenizer_json.read_text()).get("added_tokens", [])]
 
 
-def serve_gguf_linears(model: CausalLM, checkpoint: GGUFCheckpoint,
-                       output_tokens: torch.Tensor | None = None) -> frozenset[str]:
+def serve_gguf_linears(model: CausalLM, checkpoint, output_tokens: torch.Tensor | None = None,
+                       requantize: str | None = None) -> frozenset[str]:
     """Swap each linear of a meta model whose checkpoint tensors all have a kernel type for a GGUFLinear
     over their blocks (the LM head over `output_tokens`' rows only, when given); returns the checkpoint
-    names it took (their biases stay for load_weights)."""
+    names it took (their biases stay for load_weights). With `requantize`, every linear's weights are
+    first quantized into that type (from a GGUF file's dequantized blocks or a dense checkpoint)."""
     names = checkpoint.tensor_names()
+    names = names if isinstance(names, dict) else {name: name for name in names}   # HF -> the checkpoint's
     served = set()
     for module_name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
@@ -229,16 +234,28 @@ def serve_gguf_linears(model: CausalLM, checkpoint: GGUFCheckpoint,
             keys = ["model.embed_tokens.weight"]   # the head's blocks; the embedding still loads dense
         else:
             keys = [f"{module_name}.weight"]
-        if not all(k in names and servable(checkpoint.type_name(names[k]), module.in_features) for k in keys):
+        if not all(k in names and servable(requantize or checkpoint.type_name(names[k]), module.in_features)
+                   for k in keys):
             continue
         rows = output_tokens if module_name == "lm_head" else None
-        parts = [GGUFPart(checkpoint.raw(names[k]) if rows is None else checkpoint.raw(names[k])[rows],
-                          checkpoint.type_name(names[k]), module.in_features) for k in keys]
+        parts = []
+        for k in keys:
+            blocks, type_name = weight_blocks(checkpoint, names[k], requantize)
+            parts.append(GGUFPart(blocks if rows is None else blocks[rows], type_name, module.in_features))
         shards = module.shard_names if isinstance(module, FusedLinear) else None
         setattr(model.get_submodule(parent_name) if parent_name else model, child,
                 GGUFLinear(module.in_features, parts, module.bias is not None, shards))
         served.update(k for k in keys if k != "model.embed_tokens.weight")
     return frozenset(served)
+
+
+def weight_blocks(checkpoint, name: str, requantize: str | None) -> tuple[torch.Tensor, str]:
+    """A matrix's GGUF blocks (uint8 [rows, bytes a row]) and their type: as a GGUF file stores them, or
+    quantized into `requantize` from the float weight."""
+    if requantize is None:
+        return checkpoint.raw(name), checkpoint.type_name(name)
+    weight = checkpoint.tensor(name) if isinstance(checkpoint, GGUFCheckpoint) else checkpoint.get(name)
+    return quantize_blocks(weight, requantize), requantize
 
 
 def _checkpoint_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int | None]]:
