@@ -39,6 +39,11 @@ namespace {
 constexpr int64_t TN = 16;   // outputs per tile: one zmm of int32 sums
 constexpr int64_t QK = 32;   // inputs per activation scale
 constexpr int MAXR = 6;      // rows per register tile
+// Passes of several rows ask for the values this many bytes ahead: their integer work keeps a core
+// from issuing the loads that would keep its memory stream busy. (One row is the stream's pace, and
+// the hardware prefetcher does better alone: measured on Zen 4 over a 1.5B model's FFN matrices,
+// 2 KB ahead is 10-16% faster at 2-5 rows and 5% slower at one row; 1-4 KB all alike.)
+constexpr int64_t PREFETCH = 2048;
 
 // GGUF's type ids (ggml.h).
 enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -302,7 +307,7 @@ VNNI inline void load_values(const uint8_t* p, __m512i* v) {
 
 template <int R, int64_t G, int64_t GPS, bool NIB, int HB, bool TWO, bool MIN>
 VNNI void tile_rows(const Format& f, const uint8_t* tile, const Acts& a, int64_t m0, float* y, int64_t ldy,
-                    int64_t n_valid, const float* bias) {
+                    int64_t n_valid, const float* bias, bool prefetch) {
   constexpr int64_t KQ = G / 4;
   const int64_t K = a.K;
   __m512 acc[R];
@@ -327,9 +332,12 @@ VNNI void tile_rows(const Format& f, const uint8_t* tile, const Acts& a, int64_t
       } else {
         m = MIN ? _mm512_sub_ps(_mm512_setzero_ps(), dm) : _mm512_mul_ps(d, _mm512_set1_ps(f.offset));
       }
+      constexpr int64_t VB = NIB ? TN * G / 2 + HB * TN * G / 8 : TN * G;   // the group's value bytes
+      if (prefetch)
+        for (int64_t line = 0; line < VB; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + line), _MM_HINT_T0);
       __m512i v[KQ];
       load_values<G, NIB, HB>(p, v);
-      p += NIB ? TN * G / 2 + HB * TN * G / 8 : TN * G;
+      p += VB;
       const int64_t k = k0 + g * G;
       __m512i sum[R];   // the rows' integer sums, interleaved: R independent vpdpbusd chains
       for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
@@ -355,13 +363,14 @@ VNNI void tile_all_rows(const Format& f, const uint8_t* tile, const Acts& a, int
                         int64_t n_valid, const float* bias) {
   for (int64_t m = 0; m < M;) {   // register tiles as even as MAXR allows (8 rows: 4 + 4)
     const int64_t left = M - m, tiles = (left + MAXR - 1) / MAXR, rows = (left + tiles - 1) / tiles;
+    const bool prefetch = m == 0 && M > 1;   // later register tiles find the values in the cache
     switch (rows) {
-      case 1: tile_rows<1, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias); break;
-      case 2: tile_rows<2, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias); break;
-      case 3: tile_rows<3, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias); break;
-      case 4: tile_rows<4, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias); break;
-      case 5: tile_rows<5, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias); break;
-      default: tile_rows<6, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias); break;
+      case 1: tile_rows<1, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias, prefetch); break;
+      case 2: tile_rows<2, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias, prefetch); break;
+      case 3: tile_rows<3, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias, prefetch); break;
+      case 4: tile_rows<4, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias, prefetch); break;
+      case 5: tile_rows<5, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias, prefetch); break;
+      default: tile_rows<6, G, GPS, NIB, HB, TWO, MIN>(f, tile, a, m, y, ldy, n_valid, bias, prefetch); break;
     }
     m += rows;
   }
