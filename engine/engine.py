@@ -20,6 +20,7 @@ from engine.setup import EngineParts, build_engine_parts
 from engine.spec_decode.base import Proposal
 from engine.spec_decode.policy import Candidate, StepOutcome, StepPlan, StepView, Verified
 from engine.step_costs import PassTiming
+from engine.structured import GrammarCompiler, GrammarState, constrain
 from engine.verify import VerifyResult, verify
 
 logger = logging.getLogger("specserve.engine")
@@ -72,6 +73,7 @@ class Engine:
         self.totals = SpecTotals()
         self._next_seed = config.seed
         self.num_failed_steps = 0   # consecutive steps in which every request failed
+        self.grammars: GrammarCompiler | None = None   # structured outputs' matchers, built on first use
 
     @property
     def method(self) -> str:
@@ -89,6 +91,7 @@ class Engine:
             params=params, arrival_time=time.monotonic(), generator=self._generator(params),
             noise=PositionalNoise(params.seed, self.vocab_size, self.device) if self._seeded(params) else None,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            grammar=self._grammar_state(params),
         )
         self.scheduler.add(self.requests[request_id])
 
@@ -103,6 +106,14 @@ class Engine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens and max_tokens is {params.max_tokens} "
                 f"({len(prompt_token_ids) + params.max_tokens} in all)")
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        """A constrained request's matcher (ValueError when its grammar does not compile)."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.config.model, self.vocab_size, self.eos_token_ids)
+        return self.grammars.state(params.structured)
 
     @staticmethod
     def _seeded(params: SamplingParams) -> bool:
@@ -157,8 +168,9 @@ class Engine:
         work clock: without the one-off capture of a CUDA graph)."""
         t0 = work_clock()
         proposal = self.proposer.propose(batch.scheduled, plan.drafts)
+        masks = constrain(batch.scheduled, proposal)   # cuts drafts a grammar forbids
         t1 = work_clock()
-        result = verify(self.target, batch.scheduled, proposal)
+        result = verify(self.target, batch.scheduled, proposal, masks)
         return proposal, result, t1 - t0, work_clock() - t1
 
     def _finish(self, batch: SchedulerOutput, plan: StepPlan, proposal: Proposal, result: VerifyResult,
@@ -253,7 +265,7 @@ class Engine:
         wanted = request.params.speculative_method
         if wanted is None or wanted == "auto":
             return self.proposer.methods
-        return [m for m in self.proposer.methods if m == wanted]
+        return [m for m in self.proposer.methods if m == wanted or (m == "grammar" and wanted != "none")]
 
     def _pending_prefill(self, num_decoding: int) -> tuple[int, int]:
         """Prompt tokens likely to share the next pass with the decodes, and their requests."""
@@ -321,7 +333,11 @@ class Engine:
             new.append(token)
             if logprobs is not None:
                 request.logprobs.append(logprobs[j])
+            if request.grammar is not None:
+                request.grammar.advance([token])
             if token in request.eos_token_ids or token in params.stop_token_ids:
+                request.finish_reason = "stop"
+            elif request.grammar is not None and request.grammar.finished:   # it admits nothing more
                 request.finish_reason = "stop"
             elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 request.finish_reason = "length"

@@ -9,6 +9,7 @@ import torch
 from engine.outputs import SpecStats, TokenLogprob
 from engine.sampler import PositionalNoise
 from engine.sampling_params import SamplingParams
+from engine.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -27,6 +28,7 @@ class Request:
     generator: torch.Generator | None    # unseeded sampled requests: owned by this request, drawn in order
     noise: PositionalNoise | None = None  # seeded sampled requests: noise keyed by output position
     eos_token_ids: frozenset[int] = frozenset()
+    grammar: GrammarState | None = None  # structured output: where the output stands in its grammar
     status: RequestStatus = RequestStatus.WAITING
     # KV bookkeeping. The last token is never in the cache while decoding: the next
     # forward pass feeds it (plus any draft tokens).

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
+from engine.structured import StructuredOutput
 
 _GREEDY_EPS = 1e-5
 
@@ -27,6 +28,7 @@ class SamplingParams:
     # engine's) and the most drafts per step (None: the engine's num_speculative_tokens).
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
+    structured: StructuredOutput | None = None   # what the output must match (engine/structured.py)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
@@ -53,6 +55,8 @@ class SamplingParams:
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
         check(self.speculative_method is None or self.speculative_method in SPEC_METHODS, "speculative.method",
               f"must be one of {', '.join(SPEC_METHODS)}, got {self.speculative_method!r}")
+        check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
+              f"must be a StructuredOutput, got {type(self.structured).__name__}")
         k = self.num_speculative_tokens
         check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_SPEC_TOKENS),
               "speculative.num_speculative_tokens", f"must be an integer in 0..{MAX_SPEC_TOKENS}, got {k!r}")

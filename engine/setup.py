@@ -27,6 +27,7 @@ from engine.scheduler import ScheduledRequest
 from engine.spec_decode.base import DraftJob, Proposal, Proposer, Router
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
+from engine.spec_decode.grammar import GrammarProposer
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.policy import MODEL_PROPOSERS, GoodputPolicy, Policy, StaticPolicy
 from engine.spec_decode.suffix import SuffixProposer
@@ -222,7 +223,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
     target = ModelRunner(target_model, num_blocks, block_size, dtype, device, target_flash,
                          keep_features=head is not None)
-    proposers: dict[str, Proposer] = {}
+    # Structured outputs' forced tokens: certain drafts, first in a static plan's preference.
+    proposers: dict[str, Proposer] = {"grammar": GrammarProposer()} if spec.gamma else {}
     if "draft" in spec.proposers:
         proposers["draft"] = DraftModelProposer(
             ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
@@ -243,7 +245,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     _decode_grids(config, device, grids, blocks_per_seq)
     router = Router(proposers, hf_config.vocab_size)
     costs = StepCosts()
-    methods = [m for m in spec.proposers if m in proposers]   # in the configured order: a static plan's preference
+    methods = [m for m in ("grammar", *spec.proposers) if m in proposers]   # a static plan's preference
     if spec.adaptive:
         policy: Policy = GoodputPolicy(methods, costs, spec.draft_p_min)
     else:

@@ -27,7 +27,10 @@ class VerifyResult:
     prompt_logprobs: list[list[TokenLogprob]]  # per fed prompt position, when the request asked
 
 
-def verify(target: ModelRunner, scheduled: list[ScheduledRequest], proposal: Proposal) -> VerifyResult:
+def verify(target: ModelRunner, scheduled: list[ScheduledRequest], proposal: Proposal,
+           masks: dict[int, torch.Tensor] | None = None) -> VerifyResult:
+    """masks: per scheduled position, bool [1 + drafts, vocab]: the tokens a grammar allows at each
+    of that request's emitting rows (engine/structured.py); the rest get no probability."""
     items, sample_rows, prompt_rows = _forward_items(scheduled, proposal)
     logits = target.forward(items)
     n = len(scheduled)
@@ -37,9 +40,19 @@ def verify(target: ModelRunner, scheduled: list[ScheduledRequest], proposal: Pro
         start = request.num_computed_tokens
         targets = request.token_ids[start + 1:start + 1 + len(rows)]
         result.prompt_logprobs[i] = _logprobs(logits[rows[:len(targets)]], targets, request.params.prompt_logprobs)
+    if masks:
+        _mask(logits, sample_rows, masks)
     if sample_rows:
         _accept(scheduled, proposal, logits, sample_rows, result)
     return result
+
+
+def _mask(logits: torch.Tensor, sample_rows: dict[int, list[int]], masks: dict[int, torch.Tensor]) -> None:
+    """Tokens a grammar forbids get no probability at the request's emitting rows."""
+    with torch.inference_mode():   # the forward's output is an inference tensor: updated in place
+        for i, allowed in masks.items():
+            rows = torch.tensor(sample_rows[i], dtype=torch.long, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def _forward_items(scheduled, proposal):

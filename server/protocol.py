@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
 from engine.outputs import SpecStats, TokenLogprob
+from engine.structured import StructuredOutput
 
 logger = logging.getLogger("specserve.server")
 
@@ -60,6 +61,46 @@ class SpeculativeOptions(_Request):
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_TOKENS)
 
 
+class StructuredOutputsOptions(_Request):
+    """vLLM's extension for constrained output, `"structured_outputs": {...}` with exactly one of: json (a JSON
+    schema, as an object or its text), json_object (true: any JSON object), regex, choice (a list of strings),
+    grammar (a Lark grammar). OpenAI's `response_format` covers the JSON cases."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def spec(self) -> StructuredOutput:
+        given = [name for name in ("json_", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar, got "
+                             f"{', '.join(n.rstrip('_') for n in given) or 'none'}")
+        kind = given[0]
+        if kind == "json_":
+            return StructuredOutput.json_schema(self.json_)
+        if kind == "choice":
+            return StructuredOutput.choice(self.choice)
+        return StructuredOutput(kind) if kind == "json_object" else StructuredOutput(kind, getattr(self, kind))
+
+
+def response_format_spec(value: Any) -> StructuredOutput | None:
+    """OpenAI's response_format: {"type": "text"} (None), {"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        body = value.get("json_schema")
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            raise ValueError("json_schema must be an object with a name (and a schema)")
+        return StructuredOutput.json_schema(body.get("schema", {}))
+    raise ValueError(f"type must be one of text, json_object, json_schema; got {_shown(value)}")
+
+
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's usual extras)."""
 
@@ -82,6 +123,22 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     speculative: SpeculativeOptions | None = None
+    response_format: Any = None
+    structured_outputs: StructuredOutputsOptions | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """What the output must match, from response_format or structured_outputs; a 400 names a bad one."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        param = "response_format" if self.response_format is not None else "structured_outputs"
+        try:
+            spec = response_format_spec(self.response_format) if self.response_format is not None else \
+                None if self.structured_outputs is None else self.structured_outputs.spec()
+            if spec is not None:
+                spec.grammar()   # compiles (cached): a bad schema, expression or grammar is a 400 here
+            return spec
+        except ValueError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -110,6 +167,7 @@ class _SamplingRequest(_Request):
         kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         kwargs["stop_token_ids"] = tuple(self.stop_token_ids or ())
         kwargs["ignore_eos"] = self.ignore_eos
+        kwargs["structured"] = self.structured()
         if self.speculative is not None:
             kwargs["speculative_method"] = self.speculative.method
             kwargs["num_speculative_tokens"] = self.speculative.num_speculative_tokens
@@ -141,7 +199,6 @@ class ChatCompletionRequest(_SamplingRequest):
     # Not implemented yet: declared so that asking for them is a 400, never silently ignored.
     tools: Any = None
     tool_choice: Any = None
-    response_format: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -153,10 +210,6 @@ class ChatCompletionRequest(_SamplingRequest):
             value = getattr(self, param)
             if value is not None and value != "none":
                 raise APIError(400, f"{param}: only \"none\" is supported, got {_shown(value)}", param=param)
-        kind = self.response_format.get("type") if isinstance(self.response_format, dict) else self.response_format
-        if self.response_format is not None and kind != "text":
-            raise APIError(400, f"response_format: only {{\"type\": \"text\"}} is supported, got "
-                                f"{_shown(self.response_format)}", param="response_format")
 
 
 class TokenizeRequest(_Request):

@@ -98,7 +98,7 @@ def test_auto_routes_between_eagle_draft_and_ngram_losslessly(paths, prompts, pl
     spec = {"method": "auto", "head": paths["head"], "model": paths["draft"], "num_speculative_tokens": 4}
     outputs, engine = run(EngineConfig(model=paths["target"], dtype="float32", speculative=spec), prompts)
     assert outputs == plain_greedy
-    assert engine.proposer.methods == ["draft", "eagle", "ngram", "suffix"]
+    assert engine.proposer.methods == ["grammar", "draft", "eagle", "ngram", "suffix"]   # grammar: forced tokens
 
 
 def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(paths, prompts, tmp_path):

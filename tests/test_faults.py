@@ -54,11 +54,11 @@ def inject(monkeypatch, fails) -> list[int]:
     """Make the target pass raise when fails(scheduled) is true; returns the sizes of failed passes."""
     verify, failed = engine_module.verify, []
 
-    def faulty(target, scheduled, proposal):
+    def faulty(target, scheduled, proposal, *masks):
         if fails(scheduled):
             failed.append(len(scheduled))
             raise RuntimeError("injected fault")
-        return verify(target, scheduled, proposal)
+        return verify(target, scheduled, proposal, *masks)
     monkeypatch.setattr(engine_module, "verify", faulty)
     return failed
 
@@ -98,12 +98,12 @@ def test_the_reruns_of_a_failed_step_teach_acceptance_but_not_step_costs(tiny_pa
     engine._isolate = watched
     verify = engine_module.verify
 
-    def faulty(target, scheduled, proposal):
+    def faulty(target, scheduled, proposal, *masks):
         if len(scheduled) > 1 and all(s.is_decode for s in scheduled) and not seen:   # the first batch of decodes
             raise RuntimeError("injected fault")
         if len(scheduled) == 1 and not seen:
             time.sleep(0.05)   # a rerun far slower than any planned step: it would move every factor
-        return verify(target, scheduled, proposal)
+        return verify(target, scheduled, proposal, *masks)
     monkeypatch.setattr(engine_module, "verify", faulty)
     results = run(engine, PROMPTS[1:])
     assert all(reason == "length" for _, reason, _ in results.values())
@@ -127,7 +127,7 @@ def test_steps_that_fail_everyone_kill_the_engine(tiny_pair, monkeypatch):
 def test_a_device_error_kills_the_engine_at_once(tiny_pair, monkeypatch):
     engine = make_engine(tiny_pair)
 
-    def broken(target, scheduled, proposal):
+    def broken(target, scheduled, proposal, *masks):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(engine_module, "verify", broken)
     for i, prompt in enumerate(PROMPTS):

@@ -1,0 +1,198 @@
+"""Structured outputs: a request's grammar (a JSON schema, any JSON object, a regular expression, a
+choice among strings, a Lark grammar), its matcher, and the token masks it puts on emitted positions.
+
+A constrained request is masked at every row that can emit a token for it (a plain decode row, each
+verification row, the bonus row) before sampling and before the accept/reject test, so its output
+follows the target's distribution restricted to the tokens the grammar allows (renormalised), with
+or without speculation: verification compares the draft against that masked distribution, which is
+the one plain decoding samples. A draft is cut at its first token the grammar forbids (it could
+never be accepted, and would cost a verification row); the matcher advances by the tokens a step
+keeps, and computing a step's masks consumes its drafts and rolls them back.
+
+Grammars are llguidance's (MIT; what llama.cpp and vLLM offer): an Earley parser over the
+tokenizer's byte strings that computes masks lazily, with rollback. The matcher is built when the
+request arrives (grammar strings are cached per spec), and a grammar that does not compile is a
+ValueError naming it.
+
+Bookkeeping and masks only: no model code here.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# JSON as OpenAI's models write it, {"a": 1, "b": [1, 2]}: one layout, no other whitespace. Flexible
+# whitespace lets a model pad forever between tokens (a random model did, to max_tokens); a schema's
+# own "x-guidance" options still override this.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match. `value`: the schema as JSON text (json_schema), the
+    expression (regex), the choices as a JSON list (choice), the Lark grammar (grammar); json_object
+    has none. Frozen and hashable: it travels with SamplingParams and keys the grammar cache."""
+    kind: str
+    value: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.value, str):
+            raise ValueError(f"structured output {self.kind}: the value must be text, got {type(self.value).__name__}")
+
+    @classmethod
+    def json_schema(cls, schema) -> "StructuredOutput":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema: not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema: a schema is a JSON object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def choice(cls, choices) -> "StructuredOutput":
+        if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError(f"choice: a non-empty list of non-empty strings is needed, got {choices!r}")
+        return cls("choice", json.dumps(list(choices)))
+
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON form) for this spec; ValueError when it does not compile."""
+        return _grammar(self.kind, self.value)
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar(kind: str, value: str) -> str:
+    """Built and checked once per spec (a server sees the same schema request after request)."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = _build(kind, value)
+    except ValueError as exc:
+        raise ValueError(f"{kind}: {exc}") from None
+    error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if error:
+        raise ValueError(f"{kind}: {messages[0]}")
+    return grammar
+
+
+def _build(kind: str, value: str) -> str:
+    from llguidance import LLMatcher
+
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT)
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(value, JSON_LAYOUT)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    if kind == "choice":   # a Lark alternation of string literals (JSON's escapes are Lark's)
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(value)))
+    return LLMatcher.grammar_from_lark(value)
+
+
+class GrammarCompiler:
+    """Builds matchers over one tokenizer (llguidance's view of it, made once on first use: ~1 s)."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: frozenset[int]):
+        self.tokenizer_path, self.vocab_size, self.eos_token_ids = tokenizer_path, vocab_size, eos_token_ids
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from llguidance.hf import from_tokenizer
+
+            from engine.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(self.tokenizer_path)
+            eos = sorted(self.eos_token_ids) or None
+            # The model's rows may outnumber the tokenizer's tokens (padding) or, rarely, fall short of
+            # them: the matcher spans both, and masks keep the model's rows.
+            self._tokenizer = from_tokenizer(tokenizer, n_vocab=max(self.vocab_size, len(tokenizer)),
+                                             eos_token=eos[0] if eos and len(eos) == 1 else eos)
+        return self._tokenizer
+
+    def state(self, spec: StructuredOutput) -> "GrammarState":
+        """A fresh matcher for one request; ValueError naming the problem when the spec does not compile."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{spec.kind}: {matcher.get_error()}")
+        return GrammarState(matcher, self.tokenizer.vocab_size, self.vocab_size)
+
+
+class GrammarState:
+    """One request's matcher: where its output stands in the grammar."""
+
+    def __init__(self, matcher, matcher_vocab: int, vocab_size: int):
+        self.matcher, self.matcher_vocab, self.vocab_size = matcher, matcher_vocab, vocab_size
+        self._consumed = 0   # tokens advanced by: the matcher's position
+        self._forced: tuple[int, list[int]] | None = None   # (position, forced tokens there)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of these tokens (a draft) the grammar allows in order from here."""
+        return self.matcher.validate_tokens(tokens) if tokens else 0
+
+    def masks(self, draft: list[int]) -> torch.Tensor:
+        """bool [len(draft) + 1, vocab]: the tokens allowed after each prefix of the draft (every draft
+        token must be allowed: valid_prefix cut the draft). The matcher ends where it began."""
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        bits = allocate_token_bitmask(len(draft) + 1, self.matcher_vocab)
+        for j in range(len(draft) + 1):
+            fill_next_token_bitmask(self.matcher, bits, j)
+            if j < len(draft) and not self.matcher.consume_token(draft[j]):
+                raise RuntimeError(f"the grammar refused draft token {draft[j]}: {self.matcher.get_error()}")
+        if draft:
+            self.matcher.rollback(len(draft))
+        return unpack_bitmask(bits, self.vocab_size)
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar admits as the only continuation from here (none where it branches),
+        computed once per position."""
+        if self._forced is None or self._forced[0] != self._consumed:
+            self._forced = (self._consumed, self.matcher.compute_ff_tokens())
+        return self._forced[1]
+
+    def advance(self, tokens: list[int]) -> None:
+        """The tokens a step kept (each was allowed by its row's mask)."""
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"the grammar refused an emitted token: {self.matcher.get_error()}")
+        self._consumed += len(tokens)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar admits nothing more (only an end of sequence)."""
+        return self.matcher.is_stopped()
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, words] (bit b of word w: token 32 w + b) -> bool [rows, vocab_size]."""
+    return ((bits.unsqueeze(-1) >> _BITS) & 1).view(bits.shape[0], -1)[:, :vocab_size].bool()
+
+
+def constrain(scheduled, proposal) -> dict[int, torch.Tensor]:
+    """Cut each constrained request's draft at its first token the grammar forbids, and return the
+    masks of its emitting rows, by position in `scheduled` (bool [1 + drafts, vocab]). Leaves every
+    matcher where it was: a failed pass can be rerun."""
+    masks = {}
+    for i, item in enumerate(scheduled):
+        state = item.request.grammar
+        if state is None or not item.samples:
+            continue
+        draft = proposal.draft_token_ids[i]
+        keep = state.valid_prefix(draft)
+        if keep < len(draft):
+            proposal.draft_token_ids[i] = draft = draft[:keep]
+        masks[i] = state.masks(draft)
+    return masks

@@ -1,0 +1,138 @@
+"""Structured outputs (engine/structured.py): grammars compile or fail naming the problem, the output
+matches its grammar, speculation under a grammar keeps plain decoding's tokens, and drafts are cut at
+their first forbidden token."""
+import json
+
+import pytest
+from helpers import make_noisy_copy, make_tiny_checkpoint
+
+from engine import LLM, SamplingParams
+from engine.structured import StructuredOutput, constrain
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["alpha", "beta", "gamma"]}},
+          "required": ["ok", "tag"], "additionalProperties": False}
+SPECS = {
+    "json_schema": StructuredOutput.json_schema(SCHEMA),
+    "regex": StructuredOutput("regex", "[0-9]{3}-[a-c]{2}"),
+    "choice": StructuredOutput.choice(["yes please", "no thanks", "maybe"]),
+    "grammar": StructuredOutput("grammar", 'start: "(" item ("," item)? ("," item)? ")"\nitem: "x" | "yy"'),
+}
+
+
+def matches(kind: str, text: str) -> bool:
+    import re
+
+    if kind == "json_schema":
+        value = json.loads(text)
+        return set(value) == {"ok", "tag"} and isinstance(value["ok"], bool) and value["tag"] in ("alpha", "beta", "gamma")
+    if kind == "regex":
+        return re.fullmatch("[0-9]{3}-[a-c]{2}", text) is not None
+    if kind == "choice":
+        return text in ("yes please", "no thanks", "maybe")
+    return re.fullmatch(r"\((x|yy)(,(x|yy)){0,2}\)", text) is not None
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("structured")
+    target = make_tiny_checkpoint(root / "target", arch="qwen2", seed=0)
+    return str(target), str(make_noisy_copy(target, root / "draft", noise=0.1))
+
+
+PROMPTS = ["Answer in the format asked: ", "x x x x x x x x", "((x,yy,x,yy,x,yy"]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+def greedy(llm: LLM, spec: StructuredOutput, max_tokens: int = 40):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=spec)
+    return llm.generate(PROMPTS, params)
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    return LLM(models[0], dtype="float32")
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_greedy_output_matches_its_grammar(plain, kind):
+    for out in greedy(plain, SPECS[kind]):
+        assert out.finish_reason == "stop", out
+        assert matches(kind, out.text), out.text
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix"])
+def test_speculation_under_a_grammar_keeps_plain_decodings_tokens(models, plain, method):
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "draft":
+        spec["model"] = models[1]
+    llm = LLM(models[0], dtype="float32", speculative=spec)
+    proposed = 0
+    for kind in sorted(SPECS):
+        expected = [o.token_ids for o in greedy(plain, SPECS[kind])]
+        outs = greedy(llm, SPECS[kind])
+        assert [o.token_ids for o in outs] == expected, kind
+        proposed += sum(o.spec.proposed for o in outs)
+    if method == "draft":
+        assert proposed > 0
+
+
+def test_a_draft_is_cut_at_its_first_token_the_grammar_forbids(plain):
+    from types import SimpleNamespace
+
+    from engine.spec_decode.base import Proposal
+
+    engine = plain.engine
+    state = engine._grammar_state(SamplingParams(structured=SPECS["choice"]))
+    good, bad = plain.tokenizer.encode("yes please"), plain.tokenizer.encode("yes sir")
+    shared = next(i for i, (a, b) in enumerate(zip(good, bad)) if a != b)
+    proposal = Proposal([list(bad)], None)
+    masks = constrain([SimpleNamespace(request=SimpleNamespace(grammar=state), samples=True)], proposal)
+    assert proposal.draft_token_ids[0] == bad[:shared]
+    assert masks[0].shape == (shared + 1, engine.vocab_size)
+    assert all(masks[0][j, good[j]] for j in range(shared + 1))   # the grammar's own path stays open
+    assert not masks[0][shared, bad[shared]]
+    state.advance(good)   # the masks left the matcher where it was
+    assert state.finished
+
+
+@pytest.mark.parametrize("spec, message", [
+    (StructuredOutput("regex", "[0-9"), "regex"),
+    (StructuredOutput("grammar", "start: undefined_rule"), "grammar"),
+    (StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "nonsense"}}})),
+     "json_schema"),
+])
+def test_a_grammar_that_does_not_compile_is_an_error_naming_it(plain, spec, message):
+    with pytest.raises(ValueError, match=message):
+        plain.generate(["hi"], SamplingParams(max_tokens=4, structured=spec))
+    out = plain.generate(["hi"], SamplingParams(max_tokens=4, temperature=0.0))[0]   # the engine keeps serving
+    assert len(out.token_ids) >= 1
+
+
+def test_bad_specs_are_errors_naming_the_problem():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        StructuredOutput("xml", "")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutput.json_schema("{nope")
+    with pytest.raises(ValueError, match="a schema is a JSON object"):
+        StructuredOutput.json_schema([1, 2])
+    with pytest.raises(ValueError, match="non-empty list"):
+        StructuredOutput.choice([])
+    with pytest.raises(ValueError, match="structured"):
+        SamplingParams(structured={"type": "json_object"})
+
+
+def test_forced_tokens_are_drafted_free_and_always_accepted(models, plain):
+    """A schema's keys, quotes and enum tails admit one continuation: the grammar proposer drafts them,
+    verification accepts every one (the masked distribution is one-hot there), and passes go down."""
+    schema = {"type": "object", "properties": {"a_rather_long_property_name": {"enum": ["first_value", "second_value"]},
+                                               "another_long_property_name": {"type": "boolean"}},
+              "required": ["a_rather_long_property_name", "another_long_property_name"], "additionalProperties": False}
+    spec = StructuredOutput.json_schema(schema)
+    expected = greedy(plain, spec, 160)
+    llm = LLM(models[0], dtype="float32", speculative={"method": "ngram", "num_speculative_tokens": 8, "adaptive": False})
+    outs = greedy(llm, spec, 160)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    for out in outs:
+        json.loads(out.text)
+        assert out.spec.passes_by_method.get("grammar", 0) > 0
+        assert out.spec.target_forwards < len(out.token_ids) / 2   # most tokens were forced
