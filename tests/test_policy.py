@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine.spec_decode.estimates import FORGET, POOL_FORGET, AcceptanceRate, DraftRates, judged_tokens
-from engine.spec_decode.policy import (EXPLORE, Candidate, GoodputPolicy, StaticPolicy, StepOutcome, StepView,
-                                       Verified, expected_tokens, paying_depth)
+from engine.spec_decode.policy import (EXPLORE, Candidate, Draft, GoodputPolicy, StaticPolicy, StepOutcome, StepPlan,
+                                       StepView, Verified, expected_tokens, paying_depth)
 from engine.step_costs import DraftForward, PassTiming, StepCosts, TargetTable
 
 MAX_K = 8
@@ -331,3 +331,21 @@ def test_later_draft_tokens_start_as_likely_as_the_first():
     assert first > 0.95 and rest > 0.85
     pool.observe(4, 1)   # now a later token is judged: rejected
     assert pool.mean()[1] < rest
+
+
+def test_a_prompt_sharing_the_pass_does_not_cheapen_drafts():
+    """The prompt chunk's time is spent whatever the plan: drafting must pay against the decodes' own
+    share of the pass. Here a draft row costs 4 ms and a plain token 7 ms at batch 8, so drafts
+    accepted half of the time do not pay, with or without 300 prompt tokens in the pass (counted in,
+    those made 8 tokens in 1.26 s the rate to beat); drafts accepted 0.95 of the time pay in both."""
+    for alpha, pays in ((0.5, False), (0.95, True)):
+        policy = goodput_policy(synthetic_costs(per_token=0.004))
+        rng = random.Random(0)
+        ids = [f"r{i}" for i in range(8)]
+        for _ in range(40):   # learn the rate at 4 drafts a step
+            verified = tuple(Verified(rid, "ngram", 4, accepted_count(rng, alpha, 4)) for rid in ids)
+            policy.observe(StepPlan({rid: Draft("ngram", 4) for rid in ids}), StepOutcome(verified, None))
+        candidates = tuple(Candidate(rid, {"ngram": 4}, {"ngram": 0}) for rid in ids)
+        for view in (StepView(candidates), StepView(candidates, num_prefill_tokens=300, num_prefill_seqs=1)):
+            drafts = {rid: d for rid, d in policy.plan(view).drafts.items() if not d.probe}
+            assert bool(drafts) == pays, (alpha, view.num_prefill_tokens, drafts)

@@ -200,21 +200,26 @@ class GoodputPolicy:
             return StepPlan()
         seqs, base = len(candidates) + view.num_prefill_seqs, len(candidates) + view.num_prefill_tokens
         plain_time = plan_time(self.costs, view, {})
-        plain_rate = len(candidates) / plain_time
+        # The prompts sharing the pass cost their time whatever the plan: only the decodes' share buys
+        # tokens. Counted in, a pass with a long prompt chunk made any draft look like a bargain (8
+        # tokens in 1.2 s against a few more rows), and drafts paid at that price lost at 8 streams.
+        sunk = plain_time - plan_time(self.costs, StepView(candidates), {})
+        decode_time = plain_time - sunk
+        plain_rate = len(candidates) / decode_time
         token = (self.costs.target(seqs, base + seqs) - self.costs.target(seqs, base)) / seqs
         rows = self._row_prices(token, len(candidates))
         shadow, ks, best_rate = plain_rate, {}, plain_rate
         for _ in range(2):   # the second round prices drafts at the goodput the first found
             choices = {c.request_id: self._choose(c, shadow, rows) for c in candidates}
             choices = {rid: choice for rid, choice in choices.items() if choice is not None}
-            depth_ks, depth_rate = self._best_depth(view, choices)
+            depth_ks, depth_rate = self._best_depth(view, choices, sunk)
             if depth_rate > best_rate:
                 ks, best_rate = depth_ks, depth_rate
             shadow = max(shadow, depth_rate)
         if best_rate < (1.0 + HURDLE) * plain_rate:
             ks = {}
         drafts = {rid: Draft(method, k, self._p_min(shadow, rows[method])) for rid, (method, k) in ks.items()}
-        drafts.update(self._probes(view, drafts, shadow, plain_time, rows))
+        drafts.update(self._probes(view, drafts, shadow, decode_time, rows))
         return priced(self.costs, view, drafts)
 
     def _row_prices(self, token: float, batch: int) -> dict[str, float]:
@@ -258,8 +263,10 @@ class GoodputPolicy:
         but the step's share of it."""
         return self._catch_up(c, method) - self._catch_up_share(c, method, tokens)
 
-    def _best_depth(self, view: StepView, choices: dict[str, _Choice]) -> tuple[dict[str, tuple[str, int]], float]:
-        """The choices cut at the depth whose exact step time gives the best goodput."""
+    def _best_depth(self, view: StepView, choices: dict[str, _Choice], sunk: float
+                    ) -> tuple[dict[str, tuple[str, int]], float]:
+        """The choices cut at the depth whose exact step time (less the prompts' sunk share) gives the best
+        goodput."""
         best, best_rate = {}, 0.0
         by_id = {c.request_id: c for c in view.candidates}
         for depth in range(1, max((c.k for c in choices.values()), default=0) + 1):
@@ -267,7 +274,7 @@ class GoodputPolicy:
             drafted = {rid: expected_tokens(*c.rates, min(c.k, depth)) for rid, c in choices.items()}
             tokens = len(view.candidates) + sum(drafted.values())
             rebate = sum(self._catch_up_rebate(by_id[rid], c.method, drafted[rid]) for rid, c in choices.items())
-            rate = tokens / (plan_time(self.costs, view, ks) - rebate)
+            rate = tokens / (plan_time(self.costs, view, ks) - rebate - sunk)
             if rate > best_rate:
                 best, best_rate = ks, rate
         return best, best_rate
@@ -283,7 +290,8 @@ class GoodputPolicy:
         """A probe step: every idle request whose optimistic rate says drafting could pay drafts what
         that rate would plan, once the exploration budget covers what they add to the step. The
         budget saves up to one such step (probes that share a draft model's forwards cost less
-        together than one by one), and at least one plain step."""
+        together than one by one), and at least one plain step (plain_time: the decodes' share of a
+        plain pass)."""
         idle = [c for c in view.candidates if c.request_id not in drafts and any(c.caps.values())]
         for c in idle:
             for method in (m for m in self.methods if c.caps.get(m, 0) > 0):
