@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import PROPOSERS, EngineConfig
 from engine.decode_grid import work_clock
 from engine.kv_cache import BlockPool
 from engine.outputs import RequestOutput, RequestTiming, SpecTotals, StepStats
@@ -74,6 +74,12 @@ class Engine:
         self._next_seed = config.seed
         self.num_failed_steps = 0   # consecutive steps in which every request failed
         self.grammars: GrammarCompiler | None = None   # structured outputs' matchers, built on first use
+
+    @property
+    def configured_proposers(self) -> list[str]:
+        """The proposers a request may name: the configured ones (the grammar's forced tokens are
+        implicit, drafted for any constrained request whenever the engine speculates)."""
+        return [m for m in self.proposer.methods if m in PROPOSERS]
 
     @property
     def method(self) -> str:

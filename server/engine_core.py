@@ -62,7 +62,7 @@ class EngineInfo:
     @classmethod
     def of(cls, engine) -> "EngineInfo":
         import torch
-        return cls(engine.config.model, engine.method, tuple(engine.proposer.methods), engine.max_model_len,
+        return cls(engine.config.model, engine.method, tuple(engine.configured_proposers), engine.max_model_len,
                    engine.vocab_size, str(engine.dtype).replace("torch.", ""), engine.quantization, str(engine.device),
                    engine.pool.num_blocks, engine.pool.block_size, engine.gamma, torch.get_num_threads(), os.getpid())
 

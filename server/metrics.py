@@ -182,7 +182,7 @@ class Metrics:
 
     def __init__(self, model_name: str, method: str, registry: CollectorRegistry | None = None,
                  window_steps: int = WINDOW_STEPS, proposers: tuple[str, ...] | list[str] | None = None):
-        """``proposers``: the engine's proposers (``engine.proposer.methods``), whose per-proposer
+        """``proposers``: the engine's configured proposers (``engine.configured_proposers``), whose per-proposer
         series then exist at 0 from the start; others appear when they first draft."""
         self.model_name, self.method = model_name, method
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)

@@ -15,7 +15,6 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from engine.config import PROPOSERS
 from engine.engine import ContextLengthError
 from engine.sampling_params import SamplingParams
 from server import protocol as p
@@ -88,7 +87,7 @@ class Server:
 
     def check_speculative_method(self, method: str | None) -> None:
         """A request may pick a proposer only among those the server was configured with."""
-        offered = [m for m in self.info.proposers if m in PROPOSERS]   # "grammar" (forced tokens) is implicit
+        offered = list(self.info.proposers)
         if method in (None, "auto", "none") or method in offered:
             return
         choices = ", ".join(["auto", *offered, "none"])

@@ -38,7 +38,7 @@ def build_server(target, speculative: dict) -> InProcessServer:
     torch.set_num_threads(1)
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=128,
                                  max_num_seqs=8, speculative=speculative))
-    metrics = Metrics(MODEL, engine.method, proposers=engine.proposer.methods)
+    metrics = Metrics(MODEL, engine.method, proposers=engine.configured_proposers)
     return InProcessServer(create_app(engine, load_tokenizer(str(target)), MODEL, None, metrics))
 
 
@@ -251,7 +251,7 @@ def test_metrics_chosen_k_equal_the_responses(tiny_pair):
     for counter, key in [("num_draft_tokens", "proposed"), ("num_accepted_tokens", "accepted")]:
         by_proposer = {dict(lab)["proposer"]: v for (name, lab), v in samples.items()
                        if name == f"specserve:spec_decode_{counter}_by_proposer_total"}
-        assert set(by_proposer) == {"grammar", "draft", "ngram", "suffix"}   # every proposer, from the start
+        assert set(by_proposer) == {"draft", "ngram", "suffix"}   # every configured proposer, from the start
         if key == "proposed":
             assert by_proposer["draft"] > 0 and by_proposer["ngram"] > 0, by_proposer
         assert sum(by_proposer.values()) == sum(s[key] for s in specs) == \

@@ -22,12 +22,12 @@ if _FAULTS:
     def _starts_with(scheduled, token) -> bool:
         return token is not None and any(item.request.token_ids[0] == token for item in scheduled)
 
-    def _faulty_verify(target, scheduled, proposal):
+    def _faulty_verify(target, scheduled, proposal, *masks):
         time.sleep(_faults.get("step_delay", 0.0))
         if _starts_with(scheduled, _faults.get("fatal")):
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         if _starts_with(scheduled, _faults.get("poison")):
             raise RuntimeError("injected fault")
-        return _verify(target, scheduled, proposal)
+        return _verify(target, scheduled, proposal, *masks)
 
     _engine.verify = _faulty_verify
