@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 QUANTIZATIONS = ("auto", "none", "bf16", "int8", "gguf")   # weight-only formats of the linears (CPU):
 # engine/models/streamed_linear.py (bf16, int8) and engine/models/gguf_linear.py (a GGUF file's own blocks)
 
+# What a draft's linears may be re-quantized into at load (`speculative.quantization`): the GGUF kernel
+# types gguf's quantizer writes. A draft's precision moves only its acceptance, never the output.
+DRAFT_QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q8_0")
+
 PROPOSERS = ("draft", "eagle", "ngram", "suffix")
 SPEC_METHODS = ("auto", *PROPOSERS, "none")
 MAX_SPEC_TOKENS = 32
@@ -104,10 +108,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.dtype must be one of {', '.join(DTYPES)} (or unset: the target's), "
                              f"got {self.dtype!r}")
         if self.quantization is not None:
-            types = ("q4_0", "q4_1", "q5_0", "q8_0")
-            if not isinstance(self.quantization, str) or self.quantization.lower() not in types:
-                raise ValueError(f"speculative.quantization must be one of {', '.join(types)} (or unset: the "
-                                 f"draft served as the target), got {self.quantization!r}")
+            if not isinstance(self.quantization, str) or self.quantization.lower() not in DRAFT_QUANTIZATIONS:
+                raise ValueError(f"speculative.quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} (or "
+                                 f"unset: the draft served as the target), got {self.quantization!r}")
             if "draft" not in self.proposers:
                 raise ValueError("speculative.quantization re-quantizes a draft model: it needs the draft "
                                  f"proposer (method draft or auto with speculative.model), method is {self.method!r}")

@@ -73,7 +73,7 @@ class Engine:
         self.totals = SpecTotals()
         self._next_seed = config.seed
         self.num_failed_steps = 0   # consecutive steps in which every request failed
-        self.grammars: GrammarCompiler | None = None   # structured outputs' matchers, built on first use
+        self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids)   # structured outputs
 
     @property
     def configured_proposers(self) -> list[str]:
@@ -115,11 +115,7 @@ class Engine:
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
         """A constrained request's matcher (ValueError when its grammar does not compile)."""
-        if params.structured is None:
-            return None
-        if self.grammars is None:
-            self.grammars = GrammarCompiler(self.config.model, self.vocab_size, self.eos_token_ids)
-        return self.grammars.state(params.structured)
+        return None if params.structured is None else self.grammars.state(params.structured)
 
     @staticmethod
     def _seeded(params: SamplingParams) -> bool:

@@ -101,22 +101,19 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: frozenset[int]):
         self.tokenizer_path, self.vocab_size, self.eos_token_ids = tokenizer_path, vocab_size, eos_token_ids
-        self._tokenizer = None
 
-    @property
+    @functools.cached_property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from llguidance.hf import from_tokenizer
+        from llguidance.hf import from_tokenizer
 
-            from engine.tokenizer import load_tokenizer
+        from engine.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(self.tokenizer_path)
-            eos = sorted(self.eos_token_ids) or None
-            # The model's rows may outnumber the tokenizer's tokens (padding) or, rarely, fall short of
-            # them: the matcher spans both, and masks keep the model's rows.
-            self._tokenizer = from_tokenizer(tokenizer, n_vocab=max(self.vocab_size, len(tokenizer)),
-                                             eos_token=eos[0] if eos and len(eos) == 1 else eos)
-        return self._tokenizer
+        tokenizer = load_tokenizer(self.tokenizer_path)
+        eos = sorted(self.eos_token_ids) or None
+        # The model's rows may outnumber the tokenizer's tokens (padding) or, rarely, fall short of
+        # them: the matcher spans both, and masks keep the model's rows.
+        return from_tokenizer(tokenizer, n_vocab=max(self.vocab_size, len(tokenizer)),
+                              eos_token=eos[0] if eos and len(eos) == 1 else eos)
 
     def state(self, spec: StructuredOutput) -> "GrammarState":
         """A fresh matcher for one request; ValueError naming the problem when the spec does not compile."""

@@ -25,11 +25,6 @@ from engine.models.llama import FusedLinear
 KERNEL_TYPES = {name: int(GGMLQuantizationType[name]) for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")}
 
 
-# The kernel types gguf's quantizer writes: what a draft's weights may be re-quantized into at load
-# (`speculative.quantization`). A draft's precision moves only its acceptance, never the output.
-REQUANTIZE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
-
-
 def quantize_blocks(weight: torch.Tensor, type_name: str) -> torch.Tensor:
     """A float matrix [out, in] as GGUF blocks of `type_name` (uint8 [out, bytes a row]), by gguf's
     reference quantizer (llama.cpp's rounding)."""

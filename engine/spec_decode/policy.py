@@ -203,8 +203,8 @@ class GoodputPolicy:
         # The prompts sharing the pass cost their time whatever the plan: only the decodes' share buys
         # tokens. Counted in, a pass with a long prompt chunk made any draft look like a bargain (8
         # tokens in 1.2 s against a few more rows), and drafts paid at that price lost at 8 streams.
-        sunk = plain_time - plan_time(self.costs, StepView(candidates), {})
-        decode_time = plain_time - sunk
+        decode_time = plan_time(self.costs, StepView(candidates), {})
+        sunk = plain_time - decode_time
         plain_rate = len(candidates) / decode_time
         token = (self.costs.target(seqs, base + seqs) - self.costs.target(seqs, base)) / seqs
         rows = self._row_prices(token, len(candidates))
