@@ -20,7 +20,7 @@ from engine.setup import EngineParts, build_engine_parts
 from engine.spec_decode.base import Proposal
 from engine.spec_decode.policy import Candidate, StepOutcome, StepPlan, StepView, Verified
 from engine.step_costs import PassTiming
-from engine.structured import GrammarCompiler, GrammarState, constrain
+from engine.structured import GrammarCompiler, GrammarQueue, constrain
 from engine.verify import VerifyResult, verify
 
 logger = logging.getLogger("specserve.engine")
@@ -73,7 +73,8 @@ class Engine:
         self.totals = SpecTotals()
         self._next_seed = config.seed
         self.num_failed_steps = 0   # consecutive steps in which every request failed
-        self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids)   # structured outputs
+        # structured outputs: constrained requests wait here while their grammar compiles
+        self.grammars = GrammarQueue(GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids))
 
     @property
     def configured_proposers(self) -> list[str]:
@@ -88,18 +89,21 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validate and queue a request; bad input raises ValueError naming the problem."""
+        """Validate and queue a request; bad input raises ValueError naming the problem. A constrained
+        request waits for its grammar to compile (off the loop) before it is scheduled."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
-        self.requests[request_id] = Request(
+        request = self.requests[request_id] = Request(
             request_id=request_id, token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
             params=params, arrival_time=time.monotonic(), generator=self._generator(params),
             noise=PositionalNoise(params.seed, self.vocab_size, self.device) if self._seeded(params) else None,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            grammar=self._grammar_state(params),
         )
-        self.scheduler.add(self.requests[request_id])
+        if params.structured is None:
+            self.scheduler.add(request)
+        else:
+            self.grammars.submit(request, params.structured)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if len(prompt_token_ids) == 0:
@@ -112,10 +116,6 @@ class Engine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens and max_tokens is {params.max_tokens} "
                 f"({len(prompt_token_ids) + params.max_tokens} in all)")
-
-    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
-        """A constrained request's matcher (ValueError when its grammar does not compile)."""
-        return None if params.structured is None else self.grammars.state(params.structured)
 
     @staticmethod
     def _seeded(params: SamplingParams) -> bool:
@@ -137,46 +137,69 @@ class Engine:
         if request is None or request.is_finished:
             return None
         request.finish_reason = "abort"
+        if self.grammars.discard(request_id):   # still compiling: nothing scheduled, nothing to free
+            request.status = RequestStatus.FINISHED
+            return request
         self._publish_blocks(request)   # a chat ended by a stop string comes back as the next turn's prefix
         self.scheduler.remove(request)
         self._forget(request_id)
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0
 
     def status(self) -> EngineStatus:
         pool = self.pool
-        return EngineStatus(len(self.requests), len(self.scheduler.running), len(self.scheduler.waiting),
+        return EngineStatus(len(self.requests), len(self.scheduler.running),
+                            len(self.scheduler.waiting) + len(self.grammars),
                             pool.num_free_blocks, pool.num_blocks, pool.usage, self.num_steps)
 
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = work_clock()
+        refused = self._admit_compiled()
         plan = self._plan()
         batch = self.scheduler.schedule(plan.lookahead())
         if not batch.scheduled:
-            return []
+            if not refused:
+                self.grammars.wait(0.01)   # only grammars to wait for: give their threads the CPU
+            return refused
         try:
             passed = self._forward(batch, plan)
         except Exception as exc:  # one bad request must not fail the batch, nor take the server down
             return self._isolate(batch, plan, exc)
         self.num_failed_steps = 0
-        return self._finish(batch, plan, *passed, started=started)
+        return refused + self._finish(batch, plan, *passed, started=started)
 
-    def _forward(self, batch: SchedulerOutput, plan: StepPlan) -> tuple[Proposal, VerifyResult, float, float]:
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the constrained requests whose grammar is ready; end those whose grammar failed."""
+        ready, failed = self.grammars.ready()
+        for request in ready:
+            self.scheduler.add(request)
+        outputs = []
+        for request, error in failed:
+            request.finish_reason, request.status = "error", RequestStatus.FINISHED
+            self.requests.pop(request.request_id, None)
+            outputs.append(RequestOutput(request.request_id, [], True, "error", request.num_prompt_tokens, 0,
+                                         error=error))
+        return outputs
+
+    def _forward(self, batch: SchedulerOutput, plan: StepPlan) -> tuple[Proposal, VerifyResult, float, float, Masks]:
         """The step's tensor work (proposer and target pass): no request's state changes in it, so
-        a failed pass can be rerun. Returns the proposal, the verification and their times (by the
-        work clock: without the one-off capture of a CUDA graph)."""
+        a failed pass can be rerun. Returns the proposal, the verification, their times (by the work
+        clock: without the one-off capture of a CUDA graph) and the grammar masks with their time."""
         t0 = work_clock()
         proposal = self.proposer.propose(batch.scheduled, plan.drafts)
-        masks = constrain(batch.scheduled, proposal)   # cuts drafts a grammar forbids
         t1 = work_clock()
-        result = verify(self.target, batch.scheduled, proposal, masks)
-        return proposal, result, t1 - t0, work_clock() - t1
+        masks = Masks(constrain(batch.scheduled, proposal))   # cuts drafts a grammar forbids
+        masks.seconds = work_clock() - t1
+        t2 = work_clock()
+        result = verify(self.target, batch.scheduled, proposal, masks.rows)
+        return proposal, result, t1 - t0, work_clock() - t2, masks
 
     def _finish(self, batch: SchedulerOutput, plan: StepPlan, proposal: Proposal, result: VerifyResult,
-                draft_time: float, verify_time: float, started: float | None = None) -> list[RequestOutput]:
+                draft_time: float, verify_time: float, masks: Masks, started: float | None = None
+                ) -> list[RequestOutput]:
         """The step's bookkeeping: tell the policy (and, for a step timed whole since `started`, the
         cost tables) what it made of the plan, and apply it to the requests."""
         outcome = self._outcome(batch, plan, proposal, result, verify_time, started)
@@ -184,7 +207,7 @@ class Engine:
             self.costs.observe(outcome.timing)
         self.policy.observe(plan, outcome)
         outputs, emitted_drafts = self._update(batch, plan, proposal, result)
-        self.last_stats = self._stats(batch, plan, proposal, emitted_drafts, draft_time, verify_time, outputs)
+        self.last_stats = self._stats(batch, plan, proposal, emitted_drafts, draft_time, verify_time, outputs, masks)
         self.totals.add(self.last_stats)
         self.num_steps += 1
         return outputs
@@ -394,7 +417,7 @@ class Engine:
 
     # ---- statistics ------------------------------------------------------------------
     def _stats(self, batch, plan: StepPlan, proposal: Proposal, emitted_drafts: list[int | None], draft_time: float,
-               verify_time: float, outputs: list[RequestOutput]) -> StepStats:
+               verify_time: float, outputs: list[RequestOutput], masks: Masks) -> StepStats:
         per_position = [0] * self.gamma
         accepted_lengths = []
         for drafts, emitted in zip(proposal.draft_token_ids, emitted_drafts):
@@ -411,6 +434,7 @@ class Engine:
                 counts[0] += len(drafts)
                 counts[1] += emitted or 0
         num_draft_tokens = sum(len(d) for d in proposal.draft_token_ids)
+        compiled = self.grammars.drain_stats()
         return StepStats(
             method=self.method, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.pool.usage, batch_size=len(batch.scheduled),
@@ -426,7 +450,16 @@ class Engine:
             chosen_k=tuple(len(d) for item, d in zip(batch.scheduled, proposal.draft_token_ids) if item.is_decode),
             drafts_by_method=tuple((m, p, a) for m, (p, a) in sorted(by_method.items())),
             predicted_time_s=plan.predicted_time if pure_decode else None,
+            mask_time_s=masks.seconds, num_masked_rows=sum(m.shape[0] for m in masks.rows.values()),
+            grammar_compile_s=tuple(compiled.seconds), grammar_cache_hits=compiled.cache_hits,
         )
+
+
+@dataclass
+class Masks:
+    """A step's grammar masks, by position in the batch (bool [1 + drafts, vocab]), and the time they took."""
+    rows: dict[int, torch.Tensor]
+    seconds: float = 0.0
 
 
 def _method(plan: StepPlan, item: ScheduledRequest) -> str:

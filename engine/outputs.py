@@ -82,6 +82,10 @@ class StepStats:
     chosen_k: tuple[int, ...] = ()    # per decode pass: the drafts it verified (0: plain decoding)
     drafts_by_method: tuple[tuple[str, int, int], ...] = ()   # (proposer, proposed, accepted) this step
     predicted_time_s: float | None = None    # the cost tables' price of the plan's draft + verify time
+    mask_time_s: float = 0.0          # structured outputs: computing grammar masks (their share of draft + verify time)
+    num_masked_rows: int = 0          # emitting rows a grammar masked
+    grammar_compile_s: tuple[float, ...] = ()   # requests whose grammar became ready this step: compile seconds
+    grammar_cache_hits: int = 0       # of those, grammars compiled before (a cached spec)
 
 
 @dataclass

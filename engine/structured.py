@@ -10,17 +10,22 @@ never be accepted, and would cost a verification row); the matcher advances by t
 keeps, and computing a step's masks consumes its drafts and rolls them back.
 
 Grammars are llguidance's (MIT; what llama.cpp and vLLM offer): an Earley parser over the
-tokenizer's byte strings that computes masks lazily, with rollback. The matcher is built when the
-request arrives (grammar strings are cached per spec), and a grammar that does not compile is a
-ValueError naming it.
+tokenizer's byte strings that computes masks lazily, with rollback, its work per mask bounded by its
+parser limits ("fuel"). Grammars are built off the engine loop: a constrained request waits in the
+GrammarQueue while a worker thread compiles its spec (grammar strings are cached per spec) and builds
+its matcher; one that fails, or takes longer than GRAMMAR_COMPILE_TIMEOUT, ends with an error naming
+the problem, and the other requests are served meanwhile.
 
 Bookkeeping and masks only: no model code here.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
-from dataclasses import dataclass
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +34,10 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # whitespace lets a model pad forever between tokens (a random model did, to max_tokens); a schema's
 # own "x-guidance" options still override this.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Seconds a grammar may take to compile (the server's check of a spec, the engine's matcher) before
+# its request is refused. llguidance's own limits stop pathological grammars well before this; what
+# is left is a machine too loaded to compile in time.
+GRAMMAR_COMPILE_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,86 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"{spec.kind}: {matcher.get_error()}")
         return GrammarState(matcher, self.tokenizer.vocab_size, self.vocab_size)
+
+
+@dataclass
+class CompileStats:
+    """Grammars that became ready since the last drain, for the step's metrics."""
+    seconds: list[float] = field(default_factory=list)
+    cache_hits: int = 0
+
+
+class GrammarQueue:
+    """Constrained requests waiting for their matcher, built on worker threads so that a slow compile
+    never holds up the engine's loop (the requests already running go on). The loop calls ready() each
+    step and schedules what it returns; a compile that fails or passes GRAMMAR_COMPILE_TIMEOUT (counted
+    from its start: the one-off build of llguidance's tokenizer view before it does not count) fails
+    its request."""
+
+    def __init__(self, compiler: GrammarCompiler, timeout: float = GRAMMAR_COMPILE_TIMEOUT, workers: int = 2):
+        self.compiler, self.timeout = compiler, timeout
+        self._executor: ThreadPoolExecutor | None = None   # started on the first constrained request
+        self._workers = workers
+        self._pending: dict[str, tuple[object, Future]] = {}   # request id -> (request, future)
+        self._started: dict[str, float] = {}                  # request id -> when its compile began
+        self.stats = CompileStats()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def submit(self, request, spec: StructuredOutput) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="grammar")
+        future = self._executor.submit(self._compile, request.request_id, spec)
+        self._pending[request.request_id] = (request, future)
+
+    def _compile(self, request_id: str, spec: StructuredOutput) -> tuple["GrammarState", float, bool]:
+        self.compiler.tokenizer   # built once per engine (seconds), before the clock starts
+        started = self._started[request_id] = time.monotonic()
+        hits = _grammar.cache_info().hits
+        state = self.compiler.state(spec)
+        cached = _grammar.cache_info().hits > hits
+        state.masks([])   # the first mask over a tokenizer builds its token trie (a second, once): here, not in a step
+        return state, time.monotonic() - started, cached
+
+    def ready(self) -> tuple[list, list[tuple[object, str]]]:
+        """Requests whose matcher is built (request.grammar set), and (request, error) for those whose
+        compile failed or timed out; both leave the queue."""
+        done, failed, now = [], [], time.monotonic()
+        for request_id, (request, future) in list(self._pending.items()):
+            started = self._started.get(request_id)
+            if future.done():
+                error = future.exception()
+                if error is None:
+                    request.grammar, seconds, cached = future.result()
+                    self.stats.seconds.append(seconds)
+                    self.stats.cache_hits += cached
+                    done.append(request)
+                else:
+                    failed.append((request, str(error) if isinstance(error, ValueError) else
+                                   f"{type(error).__name__}: {error}"))
+            elif started is not None and now - started > self.timeout:
+                kind = request.params.structured.kind
+                failed.append((request, f"{kind}: the grammar did not compile within {self.timeout:g} s"))
+            else:
+                continue
+            self.discard(request_id)
+        return done, failed
+
+    def wait(self, timeout: float) -> None:
+        """Until a compile ends, for at most `timeout` seconds (at once when none is pending)."""
+        if self._pending:
+            concurrent.futures.wait([future for _, future in self._pending.values()], timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def discard(self, request_id: str) -> bool:
+        """Forget a waiting request (aborted); False when it was not waiting here."""
+        self._started.pop(request_id, None)
+        return self._pending.pop(request_id, None) is not None
+
+    def drain_stats(self) -> CompileStats:
+        stats, self.stats = self.stats, CompileStats()
+        return stats
 
 
 class GrammarState:

@@ -29,8 +29,10 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of the messages rendered with the tokenizer's chat template.
+def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the messages rendered with the tokenizer's chat template (with `tools`, OpenAI's
+    tool objects, for a template that renders them).
 
     A content given as a list of parts is joined from its text parts (other kinds are refused)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -38,7 +40,9 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
                                 "plain prompt instead")
     messages = [_flatten_content(message) for message in messages]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **extra)
     except Exception as exc:  # jinja's raise_exception (e.g. "roles must alternate") and template bugs
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
     # The template already writes any BOS token it wants.

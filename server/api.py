@@ -17,6 +17,7 @@ Responses (and streamed usage chunks) carry `"speculative"` beside `usage` (prot
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -28,6 +29,7 @@ from server.async_engine import Choice
 from server.middleware import GuardMiddleware
 from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_WATCHDOG_TIMEOUT
 from server.serving import Server
+from server.tools import Function, ToolCall, parse_tools, template_messages
 from engine.tokenizer import ChatTemplateError, render_chat
 
 logger = logging.getLogger("specserve.server")
@@ -35,14 +37,15 @@ logger = logging.getLogger("specserve.server")
 
 def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None,
                on_dead=None, max_num_waiting: int | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-               watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT) -> FastAPI:
+               watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT, tool_call_parser: str = "auto") -> FastAPI:
     """engine: an Engine (its loop runs on a thread of this process) or a started
     server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies.
     max_num_waiting: queued requests past which new ones get a 429 (None: unbounded);
     max_body_size: bytes of a request body past which it is a 413, unread; watchdog_timeout: seconds
-    without a finished step, while requests wait, after which /health answers 503."""
+    without a finished step, while requests wait, after which /health answers 503; tool_call_parser:
+    how the model writes tool calls (server/tools.py; auto: from its chat template)."""
     server = Server(engine, tokenizer, served_model_name, api_key, metrics, on_dead, max_num_waiting,
-                    watchdog_timeout)
+                    watchdog_timeout, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,7 +89,11 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise p.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = _render(server, body.messages, body.add_generation_prompt)
+            try:
+                functions = None if body.tools is None else parse_tools(body.tools)
+            except ValueError as exc:
+                raise p.APIError(400, str(exc), param="tools") from None
+            tokens = _render(server, body.messages, body.add_generation_prompt, functions)
         else:
             tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.info.max_model_len}
@@ -137,10 +144,14 @@ def _version() -> str:
         return "unknown"
 
 
-def _render(server: Server, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
+def _render(server: Server, messages: list[p.ChatMessage], add_generation_prompt: bool,
+            functions: list[Function] | None = None) -> list[int]:
+    """The conversation's tokens; the tools (when offered) rendered by the template, or in the system
+    prompt where the template has no place for them."""
+    dumped = template_messages([m.model_dump(exclude_none=True) for m in messages], functions, server.native_tools)
+    tools = [f.as_tool() for f in functions] if functions and server.native_tools else None
     try:
-        return render_chat(server.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
-                           add_generation_prompt)
+        return render_chat(server.tokenizer, dumped, add_generation_prompt, tools)
     except ChatTemplateError as exc:
         raise p.APIError(400, str(exc), param="messages") from None
 
@@ -172,6 +183,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
     params = server.sampling_params(
         body, max_tokens=1 if scoring_only else max_tokens, logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+    await server.compile_grammar(params.structured, body.structured_param)
     request_id = p.new_id("cmpl")
     choices = server.choices(prompts, params, body, request_id, keep_output=not scoring_only)
     generation = await server.start(choices, "prompt")
@@ -224,10 +236,11 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
 
 async def _chat_completions(server: Server, body: p.ChatCompletionRequest, request: Request):
     server.check_model(body.model)
-    body.check_unsupported()
+    functions, tool_choice = body.tool_setup()
+    offered = functions if tool_choice != "none" else []   # "none": the model is not told of the tools
     if body.top_logprobs is not None and not body.logprobs:
         raise p.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt = _render(server, body.messages, body.add_generation_prompt)
+    prompt = _render(server, body.messages, body.add_generation_prompt, offered)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:   # as much as the context leaves (at least 1, so a full prompt gets the context error)
         max_tokens = max(1, server.info.max_model_len - len(prompt))
@@ -236,6 +249,8 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
         raise p.APIError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
     params = server.sampling_params(body, max_tokens=max_tokens,
                                     logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    params, grammar_param = _tool_grammar(server, body, params, functions, tool_choice)
+    await server.compile_grammar(params.structured, grammar_param)
     request_id = p.new_id("chatcmpl")
     choices = server.choices([prompt], params, body, request_id)
     generation = await server.start(choices, "messages")
@@ -246,8 +261,14 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
 
     if not body.stream:
         await server.run(generation, request)
-        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs_of(c, 0), "finish_reason": c.finish_reason} for c in choices]
+        out = []
+        for c in choices:
+            content, calls = server.tool_parser.extract(c.text, offered) if offered else (c.text, [])
+            calls = calls if body.parallel_tool_calls else calls[:1]
+            message = {"role": "assistant", "content": content,
+                       **({"tool_calls": [call.as_openai() for call in calls]} if calls else {})}
+            out.append({"index": c.index, "message": message, "logprobs": logprobs_of(c, 0),
+                        "finish_reason": _finish_reason(c.finish_reason, calls)})
         return {**head, "choices": out, **server.totals(generation, len(prompt))}
 
     head = {**head, "object": "chat.completion.chunk"}
@@ -255,12 +276,50 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}], **usage_field} for c in choices]
 
+    streams = [server.tool_parser.stream(offered) if offered else None for _ in choices]
+
     def chunk(choice: Choice, text: str, start: int) -> dict | None:
-        if not (text or choice.finish_reason or (body.logprobs and start < len(choice.token_ids))):
+        tools, calls, sent = streams[choice.index], [], 0
+        if tools is not None:   # content streams on; a call goes out once its block has closed
+            sent = len(tools.calls)
+            text, calls = tools.push(text)
+            if choice.finish_reason:
+                more_text, more_calls = tools.finish()
+                text, calls = text + more_text, calls + more_calls
+            calls = calls if body.parallel_tool_calls else calls[:max(0, 1 - sent)]
+        if not (text or calls or choice.finish_reason or (body.logprobs and start < len(choice.token_ids))):
             return None
-        item = {"index": choice.index, "delta": {"content": text} if text else {},
-                "logprobs": logprobs_of(choice, start), "finish_reason": choice.finish_reason}
+        delta = {**({"content": text} if text else {}),
+                 **({"tool_calls": [c.as_openai(sent + i) for i, c in enumerate(calls)]} if calls else {})}
+        finish = _finish_reason(choice.finish_reason, tools.calls if tools is not None else [])
+        item = {"index": choice.index, "delta": delta, "logprobs": logprobs_of(choice, start), "finish_reason": finish}
         return {**head, "choices": [item], **usage_field}
 
     last = (lambda: {**head, "choices": [], **server.totals(generation, len(prompt))}) if body.include_usage else None
     return server.stream(generation, first, chunk, last)
+
+
+def _tool_grammar(server: Server, body: p.ChatCompletionRequest, params, functions: list[Function],
+                  tool_choice) -> tuple:
+    """tool_choice "required" or a named function: the output is constrained to calls (of any of the
+    functions, or one of the named one), so their arguments always parse. Returns the params and the field a
+    grammar error names."""
+    if tool_choice not in ("required",) and not isinstance(tool_choice, Function):
+        return params, body.structured_param
+    if params.structured is not None:
+        raise p.APIError(400, f"tool_choice {_shown_choice(tool_choice)} cannot be combined with "
+                              f"{body.structured_param}: both constrain the output", param="tool_choice")
+    if tool_choice == "required":   # calls of any function, several where parallel_tool_calls allows
+        grammar = server.tool_parser.grammar(functions, body.parallel_tool_calls)
+    else:                            # one call of the named function
+        grammar = server.tool_parser.grammar([tool_choice], parallel=False)
+    return dataclasses.replace(params, structured=grammar), "tools"
+
+
+def _shown_choice(tool_choice) -> str:
+    return f"{{function: {tool_choice.name}}}" if isinstance(tool_choice, Function) else repr(tool_choice)
+
+
+def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended on its calls."""
+    return "tool_calls" if calls and reason == "stop" else reason

@@ -23,6 +23,7 @@ from engine.config import DTYPES, QUANTIZATIONS, EngineConfig, SpeculativeConfig
 ENV_PREFIX = "SPECSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENGINE_CORES = ("process", "thread")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")   # server/tools.py's parsers
 DEFAULT_MAX_BODY_SIZE = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
 DEFAULT_WATCHDOG_TIMEOUT = 120.0     # seconds without a step while requests wait: /health says the engine is stuck
 DEFAULT_SHUTDOWN_TIMEOUT = 25.0     # on SIGTERM: drain this long (Kubernetes kills after 30 s by default)
@@ -47,6 +48,7 @@ class ServerConfig:
     max_body_size: int = DEFAULT_MAX_BODY_SIZE          # bytes of a request body past which it is a 413
     watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT  # seconds without a finished step while requests wait
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # on SIGTERM: seconds in-flight requests may still run
+    tool_call_parser: str = "auto"      # how the model writes tool calls (auto: from its chat template)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -65,6 +67,9 @@ class ServerConfig:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_body_size < 1024:
             raise ConfigError(f"max_body_size must be at least 1KiB, got {self.max_body_size}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                              f"{self.tool_call_parser!r}")
         if self.api_key == "":
             raise ConfigError("api_key must not be empty (leave it unset to turn authentication off)")
 
@@ -189,6 +194,9 @@ OPTIONS: tuple[Option, ...] = (
            "many seconds, then end the rest with an error (default 25, inside Kubernetes' 30 s grace)", "SECONDS"),
     Option("max_step_failures", _parse_int, "engine steps in a row that fail every request in them before the "
            "engine is declared dead and the server exits 1 (default 5)", "N"),
+    Option("tool_call_parser", _parse_str, "how the model writes tool calls: hermes (<tool_call> blocks: Qwen2.5, "
+           "Qwen3, Hermes) or llama3_json (Llama 3.1's JSON form); default auto: from the chat template, hermes "
+           "where the template shows none (the tools then go in the system prompt)", choices=TOOL_CALL_PARSERS),
     Option("max_body_size", parse_size, "largest request body, e.g. 16MiB; larger ones are a 413 before "
            "they are read (default 16MiB)", "SIZE"),
 )
@@ -196,7 +204,8 @@ OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
 # Spelled as in EngineConfig; accepted in YAML files as an alias.
 YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
-               "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout", "shutdown_timeout")
+               "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout", "shutdown_timeout",
+               "tool_call_parser")
 
 
 def _parse(option: Option, value: Any, source: str) -> Any:

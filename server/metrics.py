@@ -37,7 +37,16 @@ Counting rules (so nothing is counted twice):
   histograms, its sum ``num_draft_tokens``.
 - ``spec_decode_num_draft_tokens_by_proposer`` / ``..._num_accepted_tokens_by_proposer`` split
   ``num_draft_tokens`` / ``num_accepted_tokens`` by the proposer that drafted; summed over
-  ``proposer`` they equal the unsplit counters.
+  ``proposer`` they equal the unsplit counters. ``proposer="grammar"`` counts the tokens a
+  request's grammar forced, drafted for free (structured outputs).
+
+Structured outputs: ``structured_requests_total{kind}`` counts constrained requests as the server
+admits them (one per choice); ``structured_compile_seconds`` observes each request's matcher build
+in the engine (its grammar string from the per-spec cache or compiled), ``structured_cache_hits_total``
+the builds whose grammar was cached; ``structured_mask_seconds_total`` adds the time spent computing
+grammar masks (its rate over that of ``spec_decode_draft_time_seconds_sum`` +
+``..._verify_time_seconds_sum`` is the mask's share of a step), ``structured_masked_rows_total`` the
+emitting rows masked.
 
 Calibration of the cost tables the speculation policy prices plans with (engine/step_costs.py): on
 every pure decode step whose plan was priced (``StepStats.predicted_time_s``; any policy, once the
@@ -95,6 +104,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512
 BATCHED_TOKENS_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # measured / predicted step time: symmetric on a log scale around 1
 STEP_TIME_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.11, 1.25, 1.5, 2.0, 4.0)
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class _IntHistogram:
@@ -254,6 +264,17 @@ class Metrics:
         if method == "none":
             self._speedup.labels(**spec).set(1.0)
 
+        # Structured outputs.
+        self._structured_family = Counter(PREFIX + "structured_requests", "Constrained requests admitted, by kind.",
+                                          ["model_name", "kind"], registry=self.registry)
+        self.compile_time = histogram("structured_compile_seconds", "Time to build a constrained request's grammar "
+                                      "matcher (off the engine loop).", COMPILE_BUCKETS)
+        self.compile_cache_hits = counter("structured_cache_hits", "Matcher builds whose grammar came from the "
+                                          "per-spec cache.")
+        self.mask_time = counter("structured_mask_seconds", "Time spent computing grammar masks for emitting rows.")
+        self.masked_rows = counter("structured_masked_rows", "Emitting rows (decode, verification, bonus) a "
+                                   "grammar masked.")
+
         # Engine and request counters.
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV cache freed, to be recomputed).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (recomputation after preemption included).")
@@ -310,6 +331,12 @@ class Metrics:
             self.measured_time.inc(measured)
             if stats.predicted_time_s > 0:
                 self.time_ratio.observe(measured / stats.predicted_time_s)
+        for seconds in stats.grammar_compile_s:
+            self.compile_time.observe(seconds)
+        self.compile_cache_hits.inc(stats.grammar_cache_hits)
+        if stats.num_masked_rows:
+            self.mask_time.inc(stats.mask_time_s)
+            self.masked_rows.inc(stats.num_masked_rows)
         if stats.batch_size > 0:
             self.batch_size.observe(stats.batch_size)
             self.num_batched_tokens.observe(stats.num_batched_tokens)
@@ -371,6 +398,9 @@ class Metrics:
         if num_deltas_times:
             for earlier, later in zip(num_deltas_times, num_deltas_times[1:]):
                 self.itl.observe(max(later - earlier, 0.0))
+
+    def observe_structured(self, kind: str, num_requests: int = 1) -> None:
+        self._structured_family.labels(model_name=self.model_name, kind=kind).inc(num_requests)
 
     def observe_rejected(self) -> None:
         self.rejected_requests.inc()

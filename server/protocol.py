@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
 from engine.outputs import SpecStats, TokenLogprob
 from engine.structured import StructuredOutput
+from server.tools import Function, parse_tool_choice, parse_tools
 
 logger = logging.getLogger("specserve.server")
 
@@ -126,17 +127,21 @@ class _SamplingRequest(_Request):
     response_format: Any = None
     structured_outputs: StructuredOutputsOptions | None = None
 
+    @property
+    def structured_param(self) -> str:
+        """The field a structured output comes from, for errors."""
+        return "response_format" if self.response_format is not None else "structured_outputs"
+
     def structured(self) -> StructuredOutput | None:
-        """What the output must match, from response_format or structured_outputs; a 400 names a bad one."""
+        """What the output must match, from response_format or structured_outputs; a 400 names a bad
+        one. Its grammar is compiled (and checked) later, off the event loop (Server.compile_grammar)."""
         if self.response_format is not None and self.structured_outputs is not None:
             raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
-        param = "response_format" if self.response_format is not None else "structured_outputs"
+        param = self.structured_param
         try:
-            spec = response_format_spec(self.response_format) if self.response_format is not None else \
-                None if self.structured_outputs is None else self.structured_outputs.spec()
-            if spec is not None:
-                spec.grammar()   # compiles (cached): a bad schema, expression or grammar is a 400 here
-            return spec
+            if self.response_format is not None:
+                return response_format_spec(self.response_format)
+            return None if self.structured_outputs is None else self.structured_outputs.spec()
         except ValueError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 
@@ -196,26 +201,34 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # Not implemented yet: declared so that asking for them is a 400, never silently ignored.
-    tools: Any = None
+    tools: Any = None            # checked by server.tools.parse_tools (a 400 names the bad item)
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    # OpenAI's deprecated form of tools: declared so that asking for it is a 400, never silently ignored.
     functions: Any = None
     function_call: Any = None
 
-    def check_unsupported(self) -> None:
-        if self.tools or self.functions:
-            param = "tools" if self.tools else "functions"
-            raise APIError(400, f"{param}: tool calling is not supported by this server", param=param)
-        for param in ("tool_choice", "function_call"):
-            value = getattr(self, param)
-            if value is not None and value != "none":
-                raise APIError(400, f"{param}: only \"none\" is supported, got {_shown(value)}", param=param)
+    def tool_setup(self) -> tuple[list[Function], str | Function]:
+        """The tools and the tool_choice ("none", "auto", "required" or the named function)."""
+        for param in ("functions", "function_call"):
+            if getattr(self, param) is not None:
+                raise APIError(400, f"{param}: the deprecated functions API is not supported; use tools and "
+                                    f"tool_choice", param=param)
+        try:
+            functions = [] if self.tools is None else parse_tools(self.tools)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tools") from None
+        try:
+            return functions, parse_tool_choice(self.tool_choice, functions)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from None
 
 
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Any = None   # rendered with the messages, as a chat completion would
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -17,11 +17,13 @@ from fastapi.responses import StreamingResponse
 
 from engine.engine import ContextLengthError
 from engine.sampling_params import SamplingParams
+from engine.structured import GRAMMAR_COMPILE_TIMEOUT, StructuredOutput
 from server import protocol as p
 from server.async_engine import (
     AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError, ShuttingDownError,
 )
 from server.config import DEFAULT_WATCHDOG_TIMEOUT
+from server.tools import choose_parser, template_renders_tools
 from engine.tokenizer import TextStream, TokenStrings
 
 logger = logging.getLogger("specserve.server")
@@ -45,11 +47,15 @@ class Server:
     """What the routes share: the engine bridge, the tokenizer and the served name."""
 
     def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics, on_dead=None,
-                 max_num_waiting: int | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT):
+                 max_num_waiting: int | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT,
+                 tool_call_parser: str = "auto"):
         self.async_engine = AsyncEngine(engine, metrics, on_dead)
         self.max_num_waiting = max_num_waiting
         self.watchdog_timeout = watchdog_timeout
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_parser = choose_parser(template, tool_call_parser)   # how this model writes tool calls
+        self.native_tools = template_renders_tools(template)           # else the tools go in the system prompt
         self.token_str = TokenStrings(tokenizer)
         self.served_model_name = served_model_name
         self.api_key = api_key
@@ -133,6 +139,20 @@ class Server:
                 choices.append(Choice(index, f"{request_id}-{index}", prompt, seeded, stream, keep_output))
         return choices
 
+    async def compile_grammar(self, spec: StructuredOutput | None, param: str) -> None:
+        """Compile a structured output's grammar (cached per spec) on a worker thread, so that a slow
+        one holds up no other request: one that does not compile, or not within
+        GRAMMAR_COMPILE_TIMEOUT, is a 400 naming `param`."""
+        if spec is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(spec.grammar), GRAMMAR_COMPILE_TIMEOUT)
+        except ValueError as exc:
+            raise p.APIError(400, f"{param}: {exc}", param=param) from None
+        except TimeoutError:
+            raise p.APIError(400, f"{param}: the grammar did not compile within {GRAMMAR_COMPILE_TIMEOUT:g} s",
+                             param=param) from None
+
     async def start(self, choices: list[Choice], prompt_param: str) -> Generation:
         self.check_alive()
         self.check_admission(len(choices))
@@ -145,6 +165,9 @@ class Server:
             raise p.APIError(400, str(exc), param=prompt_param) from None
         except EngineDeadError as exc:
             raise server_error(exc) from None
+        structured = choices[0].params.structured if choices else None
+        if structured is not None and self.metrics is not None:
+            self.metrics.observe_structured(structured.kind, len(choices))
         return generation
 
     async def run(self, generation: Generation, request: Request) -> None:

@@ -95,7 +95,7 @@ def test_auth_comes_before_the_body_and_bodies_are_bounded(guarded):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tools", [{"type": "function", "function": {"name": "f g"}}]), ("tools", {"f": {}}),
     ("tool_choice", "auto"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("response_format", {"type": "xml"}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
@@ -103,7 +103,7 @@ def test_auth_comes_before_the_body_and_bodies_are_bounded(guarded):
     ("structured_outputs", {"regex": "[0-9"}), ("structured_outputs", {"regex": "a", "choice": ["a"]}),
     ("structured_outputs", {"choice": []}), ("structured_outputs", {"xml": "<a/>"}),
 ])
-def test_unimplemented_or_bad_chat_fields_are_400s_naming_them(guarded, field, value):
+def test_bad_chat_fields_are_400s_naming_them(guarded, field, value):
     _, url = guarded
     response = httpx.post(url + "/v1/chat/completions", headers=auth(),
                           json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, field: value})

@@ -82,7 +82,7 @@ def test_a_draft_is_cut_at_its_first_token_the_grammar_forbids(plain):
     from engine.spec_decode.base import Proposal
 
     engine = plain.engine
-    state = engine._grammar_state(SamplingParams(structured=SPECS["choice"]))
+    state = engine.grammars.compiler.state(SPECS["choice"])
     good, bad = plain.tokenizer.encode("yes please"), plain.tokenizer.encode("yes sir")
     shared = next(i for i, (a, b) in enumerate(zip(good, bad)) if a != b)
     proposal = Proposal([list(bad)], None)
@@ -103,9 +103,48 @@ def test_a_draft_is_cut_at_its_first_token_the_grammar_forbids(plain):
 ])
 def test_a_grammar_that_does_not_compile_is_an_error_naming_it(plain, spec, message):
     with pytest.raises(ValueError, match=message):
+        spec.grammar()   # what the server checks (off its event loop) before it queues a request: a 400
+    with pytest.raises(RuntimeError, match=message):   # the engine's own compile fails the request alone
         plain.generate(["hi"], SamplingParams(max_tokens=4, structured=spec))
     out = plain.generate(["hi"], SamplingParams(max_tokens=4, temperature=0.0))[0]   # the engine keeps serving
     assert len(out.token_ids) >= 1
+
+
+def test_a_slow_compile_holds_up_no_other_request_and_times_out(plain, monkeypatch):
+    """Grammars compile on worker threads: a plain request runs to its end while a constrained one
+    waits for its matcher; a compile past the queue's timeout fails its request, naming why."""
+    import threading
+
+    engine = plain.engine
+    release = threading.Event()
+    real_state = engine.grammars.compiler.state
+
+    def slow_state(spec):
+        release.wait(10)
+        return real_state(spec)
+
+    monkeypatch.setattr(engine.grammars.compiler, "state", slow_state)
+    engine.add_request("slow", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, structured=SPECS["regex"]))
+    engine.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    finished = {}
+    while "plain" not in finished:
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert "slow" not in finished and engine.has_unfinished_requests() and engine.status().num_waiting == 1
+    release.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert finished["slow"].finish_reason in ("stop", "length") and finished["slow"].error is None
+    release.clear()
+    monkeypatch.setattr(engine.grammars, "timeout", 0.2)
+    engine.add_request("stuck", [5, 6], SamplingParams(max_tokens=4, structured=SPECS["choice"]))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("stuck", "error")]
+    assert "did not compile within 0.2 s" in outputs[0].error
+    release.set()
 
 
 def test_bad_specs_are_errors_naming_the_problem():

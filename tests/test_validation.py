@@ -162,7 +162,7 @@ def test_body_that_is_not_an_object(url):
 
 def test_unknown_fields_are_ignored_and_ints_pass_for_floats(url):
     extras = {"frobnicate": 1, "extra": {"x": [1]}, "response_format": {"type": "text"}, "tools": None,
-              "metadata": {"a": "b"}, "store": False, "parallel_tool_calls": "whatever"}
+              "metadata": {"a": "b"}, "store": False, "parallel_tool_calls": False, "service_tier": "whatever"}
     floats = {"temperature": 1, "top_p": 1, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0,
               "repetition_penalty": 1, "logit_bias": {}}
     done = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": 3, "n": 2, **floats, **extras})

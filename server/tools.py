@@ -1,0 +1,372 @@
+"""Tool calling: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` on chat completions.
+
+- The tools reach the model through its chat template (`tools=`), with the conversation's earlier
+  calls as the template expects them (arguments as objects, not JSON text). A template that knows no
+  tools (the default SmolLM2's) gets them as a system-prompt section in the Hermes format instead, and
+  the conversation's calls and results written in that format.
+- The model's output is parsed into `tool_calls` by the parser of its family (ToolParser): Hermes-style
+  `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes, and the fallback
+  above) or Llama 3.1's JSON form (`{"name", "parameters"}`, calls separated by `;`). Text outside the
+  calls is the message's content; a block that does not parse as a call of a given function stays
+  content.
+- `tool_choice` "required" or a named function constrains generation with a grammar built from the
+  functions' parameter schemas (ToolParser.grammar), so the model can only write calls whose
+  arguments parse and validate; the grammar's fixed parts (markers, keys, a sole function's name) are
+  forced tokens, drafted for free. "auto" leaves the output free and parses it; "none" leaves the
+  tools out of the prompt.
+- Streamed, a call goes out as one tool-call delta (id, name, the arguments whole) once its block has
+  closed and parsed; content streams as it comes, held back only while it might be a call's start.
+
+Pure bookkeeping on text: no engine and no HTTP here.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine.structured import JSON_LAYOUT, StructuredOutput
+
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")   # OpenAI's function names (and the dots some clients use)
+PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str | None
+    parameters: dict   # a JSON schema of the arguments object
+
+    def as_tool(self) -> dict[str, Any]:
+        """The tool as OpenAI's requests carry it (what chat templates render)."""
+        function = {"name": self.name, **({"description": self.description} if self.description else {}),
+                    "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str   # JSON text of the arguments object
+    id: str = ""
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# ---- the request's fields ---------------------------------------------------------------------
+
+def parse_tools(value: Any) -> list[Function]:
+    """`tools`: a list of {"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}; ValueError naming the first bad item."""
+    if not isinstance(value, list):   # an empty list is no tools (some clients always send the field)
+        raise ValueError("tools: a list of tools is needed")
+    functions, names = [], set()
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise ValueError(f"{where}: a tool is {{\"type\": \"function\", \"function\": {{...}}}}")
+        body = tool["function"]
+        name = body.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ValueError(f"{where}.function.name: 1-64 letters, digits, _, . or -, got {json.dumps(name)}")
+        if name in names:
+            raise ValueError(f"{where}.function.name: {name!r} is given twice")
+        description = body.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ValueError(f"{where}.function.description: must be a string")
+        parameters = body.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ValueError(f"{where}.function.parameters: a JSON schema object is needed")
+        if not isinstance(body.get("strict", False), bool):
+            raise ValueError(f"{where}.function.strict: must be a boolean")
+        names.add(name)
+        functions.append(Function(name, description, parameters))
+    return functions
+
+
+def parse_tool_choice(value: Any, functions: list[Function]) -> str | Function:
+    """`tool_choice`: "none", "auto" (the default with tools), "required", or {"type": "function",
+    "function": {"name"}}: the chosen function. ValueError naming the problem."""
+    if value is None:
+        return "auto" if functions else "none"
+    if value in ("none", "auto", "required"):
+        if value != "none" and not functions:
+            raise ValueError(f"tool_choice: {value!r} needs tools")
+        return value
+    name = value.get("function", {}).get("name") if isinstance(value, dict) and value.get("type") == "function" \
+        and isinstance(value.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise ValueError(f"tool_choice: \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": "
+                         f"{{\"name\": ...}}}}, got {json.dumps(value)[:80]}")
+    chosen = next((f for f in functions if f.name == name), None)
+    if chosen is None:
+        raise ValueError(f"tool_choice: no tool is named {name!r}")
+    return chosen
+
+
+# ---- the model's families ---------------------------------------------------------------------
+
+class ToolParser:
+    """How one model family writes tool calls: parse them out of its output, and constrain it to them."""
+    name = ""
+
+    def extract(self, text: str, functions: list[Function]) -> tuple[str | None, list[ToolCall]]:
+        """The content (None when there is none) and the calls in a finished output."""
+        raise NotImplementedError
+
+    def grammar(self, functions: list[Function], parallel: bool) -> StructuredOutput:
+        """A grammar whose every output is one call (several when parallel) of these functions."""
+        raise NotImplementedError
+
+    def stream(self, functions: list[Function]) -> "ToolStream":
+        return ToolStream(self, functions)
+
+    @staticmethod
+    def _call(payload: Any, functions: list[Function], arguments_key: str) -> ToolCall | None:
+        """A call of a given function from a parsed {"name", <arguments_key>} object, else None."""
+        if not isinstance(payload, dict) or payload.get("name") not in {f.name for f in functions}:
+            return None
+        arguments = payload.get(arguments_key, payload.get("arguments", {}))
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(payload["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())
+
+
+def _call_schema(functions: list[Function], arguments_key: str) -> dict[str, Any]:
+    """A JSON schema of one call: {"name": <a function>, <arguments_key>: <its parameters>}, name first,
+    in the one JSON layout structured outputs use (no free whitespace to pad with)."""
+    options = [{"type": "object", "properties": {"name": {"const": f.name}, arguments_key: f.parameters},
+                "required": ["name", arguments_key], "additionalProperties": False} for f in functions]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": JSON_LAYOUT}
+
+
+class HermesParser(ToolParser):
+    """<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call."""
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def extract(self, text, functions):
+        calls, content, last = [], [], 0
+        for match in self.BLOCK.finditer(text):
+            call = self.parse_block(match.group(1), functions)
+            if call is None:
+                continue   # stays in the content
+            content.append(text[last:match.start()])
+            last = match.end()
+            calls.append(call)
+        content.append(text[last:])
+        joined = "".join(content).strip()
+        return (joined or None), calls
+
+    def parse_block(self, body: str, functions: list[Function]) -> ToolCall | None:
+        try:
+            return self._call(json.loads(body), functions, "arguments")
+        except json.JSONDecodeError:
+            return None
+
+    def grammar(self, functions, parallel):
+        schema = json.dumps(_call_schema(functions, "arguments"))
+        more = ' ("\\n" call)*' if parallel else ""
+        return StructuredOutput("grammar", f'start: call{more}\ncall: "<tool_call>\\n" %json{schema} "\\n</tool_call>"')
+
+    @staticmethod
+    def system_prompt(functions: list[Function]) -> str:
+        """The tools section of a system prompt, for a template that renders none (the fallback)."""
+        tools = "\n".join(json.dumps(f.as_tool(), ensure_ascii=False) for f in functions)
+        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                f"with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor "
+                "each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}\n</tool_call>")
+
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.1's JSON tool calls: the whole output is {"name": ..., "parameters": {...}} (several
+    separated by "; "), after the <|python_tag|> special token when the model writes one."""
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def extract(self, text, functions):
+        body = text.strip()
+        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        calls, decoder, at = [], json.JSONDecoder(), 0
+        while body.startswith("{"):
+            try:
+                payload, at = decoder.raw_decode(body)
+            except json.JSONDecodeError:
+                break
+            call = self._call(payload, functions, "parameters")
+            if call is None:
+                break
+            calls.append(call)
+            body = body[at:].lstrip()
+            body = body[1:].lstrip() if body.startswith(";") else body
+        if not calls or body:   # anything that is not a call: the output is a message
+            return (text.strip() or None), []
+        return None, calls
+
+    def grammar(self, functions, parallel):
+        schema = json.dumps(_call_schema(functions, "parameters"))
+        more = ' ("; " call)*' if parallel else ""
+        return StructuredOutput("grammar", f"start: call{more}\ncall: %json{schema}")
+
+
+PARSER_CLASSES = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def choose_parser(chat_template: str | None, configured: str = "auto") -> ToolParser:
+    """The parser a config key names, or the one the chat template writes calls for (Hermes where it
+    shows none: the fallback prompt asks for that format)."""
+    if configured != "auto":
+        if configured not in PARSER_CLASSES:
+            raise ValueError(f"tool_call_parser must be auto or one of {', '.join(PARSERS)}, got {configured!r}")
+        return PARSER_CLASSES[configured]()
+    template = chat_template or ""
+    if "<|python_tag|>" in template or '"parameters": ' in template:
+        return Llama3JsonParser()
+    return HermesParser()
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
+
+
+# ---- streaming ---------------------------------------------------------------------------------
+
+class ToolStream:
+    """One choice's streamed output split into content deltas and finished calls."""
+
+    def __init__(self, parser: ToolParser, functions: list[Function]):
+        self.parser, self.functions = parser, functions
+        self.buffer = ""        # text received and not yet sent
+        self.mode = "start"     # start (nothing decided), content, call (inside a Hermes block), json (Llama 3.1)
+        self.calls: list[ToolCall] = []
+
+    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.buffer += text
+        if isinstance(self.parser, HermesParser):
+            return self._hermes(final=False)
+        return self._whole_output(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if isinstance(self.parser, HermesParser):
+            return self._hermes(final=True)
+        return self._whole_output(final=True)
+
+    def _hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
+        start, end = HermesParser.START, HermesParser.END
+        content, calls = "", []
+        while self.buffer:
+            if self.mode != "call":
+                at = self.buffer.find(start)
+                if at < 0:   # keep back what may be the start of a marker
+                    keep = 0 if final else _partial_suffix(self.buffer, start)
+                    content, self.buffer = content + self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                    break
+                content, self.buffer, self.mode = content + self.buffer[:at], self.buffer[at + len(start):], "call"
+                continue
+            at = self.buffer.find(end)
+            if at < 0 and not final:
+                break
+            body = self.buffer if at < 0 else self.buffer[:at]
+            call = self.parser.parse_block(body, self.functions)
+            if call is None:   # not a call: its text is content
+                content += start + body + ("" if at < 0 else end)
+            else:
+                calls.append(call)
+            self.buffer, self.mode = ("" if at < 0 else self.buffer[at + len(end):]), "content"
+        if (calls or self.calls) and not content.strip():   # whitespace around calls is not content
+            content = ""
+        self.calls += calls
+        return content, calls
+
+    def _whole_output(self, final: bool) -> tuple[str, list[ToolCall]]:
+        """Llama 3.1: an output that opens with "{" (or the tag) may be calls: held until it ends."""
+        if self.mode == "start":
+            head = self.buffer.lstrip()
+            if not head:
+                return "", []
+            maybe_call = head.startswith("{") or head.startswith(Llama3JsonParser.TAG) or \
+                Llama3JsonParser.TAG.startswith(head)
+            self.mode = "json" if maybe_call else "content"
+        if self.mode == "content":
+            text, self.buffer = self.buffer, ""
+            return text, []
+        if not final:
+            return "", []
+        content, calls = self.parser.extract(self.buffer, self.functions)
+        self.buffer = ""
+        self.calls += calls
+        return content or "", calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of text that is a proper start of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+# ---- the conversation, as templates want it ----------------------------------------------------
+
+def template_messages(messages: list[dict[str, Any]], functions: list[Function] | None, native: bool
+                      ) -> list[dict[str, Any]]:
+    """The messages for the chat template. native (the template renders tools): earlier calls'
+    arguments as objects (templates write them with tojson). Otherwise (the fallback): the tools in
+    the system prompt, calls and results written in the Hermes format as plain messages."""
+    if native:
+        return [_arguments_as_objects(m) for m in messages]
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") or []
+        if message.get("role") == "assistant" and calls:
+            blocks = [f"<tool_call>\n{json.dumps(_call_payload(c), ensure_ascii=False)}\n</tool_call>" for c in calls]
+            text = "\n".join(([message["content"]] if message.get("content") else []) + blocks)
+            out.append({"role": "assistant", "content": text})
+        elif message.get("role") == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"})
+        else:
+            out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
+    if functions:
+        prompt = HermesParser.system_prompt(functions)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _call_payload(call: Any) -> dict[str, Any]:
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    return {"name": function.get("name"), "arguments": _loads(function.get("arguments", {}))}
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = []
+    for call in calls:
+        function = call.get("function", {}) if isinstance(call, dict) else {}
+        fixed.append({**call, "function": {**function, "arguments": _loads(function.get("arguments", {}))}})
+    return {**message, "tool_calls": fixed}
+
+
+def _loads(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments

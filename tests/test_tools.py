@@ -1,0 +1,335 @@
+"""Tool calling (server/tools.py) through the official openai client: tools rendered by the chat
+template (or the system prompt where it has none), calls parsed out of the output (Hermes blocks,
+Llama 3.1's JSON), streamed as tool-call deltas, `tool_choice` required / named constraining the
+output so that the arguments always parse, a tool round trip, and the errors a bad request gets.
+Also OpenAI's `parse()` with a pydantic model. A tiny random model with a draft model at work."""
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+from conftest import InProcessServer
+
+from server.tools import (HermesParser, Llama3JsonParser, choose_parser, parse_tool_choice, parse_tools,
+                          template_messages)
+
+MODEL = "tiny"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                    "unit": {"enum": ["c", "f"]}, "days": {"type": "integer",
+                                                                                           "minimum": 1, "maximum": 7}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 99},
+                                                                    "b": {"type": "boolean"}},
+                                  "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+# A Hermes-style template that renders tools (as Qwen2.5's does; written for these tests).
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{%- for call in message.tool_calls %}\n<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3_TEMPLATE = (   # Llama 3.1's way: the tools in the user turn, calls written as {"name", "parameters"}
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if tools and loop.last %}Call one of these with {\"name\": ..., \"parameters\": ...}: "
+    "{{ tools | tojson }}\n{% endif %}{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def call_args(call) -> dict:
+    return json.loads(call.function.arguments)
+
+
+def valid_weather(args: dict) -> bool:
+    return args["city"] in ("Paris", "Oslo", "Lima") and args["unit"] in ("c", "f") and \
+        set(args) <= {"city", "unit", "days"} and (1 <= args.get("days", 1) <= 7)
+
+
+def valid_call(call) -> bool:
+    args = call_args(call)
+    if call.function.name == "get_weather":
+        return valid_weather(args)
+    return call.function.name == "add" and set(args) == {"a", "b"} and 0 <= args["a"] <= 99 and \
+        isinstance(args["b"], bool)
+
+
+# ---- the parsers, without a model -----------------------------------------------------------------
+
+FUNCTIONS = parse_tools(TOOLS)
+HERMES_OUTPUT = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
+                 '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": true}}\n</tool_call>')
+
+
+def test_hermes_blocks_become_calls_and_the_rest_content():
+    content, calls = HermesParser().extract(HERMES_OUTPUT, FUNCTIONS)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"}), ("add", {"a": 2, "b": True})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    # a block naming no given function, or not JSON, stays content
+    content, calls = HermesParser().extract('<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>', FUNCTIONS)
+    assert calls == [] and content.startswith("<tool_call>")
+    assert HermesParser().extract("<tool_call>\n{broken\n</tool_call>", FUNCTIONS)[1] == []
+
+
+def test_a_streamed_output_gives_the_same_content_and_calls_at_any_chunking():
+    expected_content, expected_calls = HermesParser().extract(HERMES_OUTPUT, FUNCTIONS)
+    for size in (1, 2, 3, 7, 11, len(HERMES_OUTPUT)):
+        stream = HermesParser().stream(FUNCTIONS)
+        content, calls = "", []
+        for i in range(0, len(HERMES_OUTPUT), size):
+            text, new = stream.push(HERMES_OUTPUT[i:i + size])
+            content, calls = content + text, calls + new
+        text, new = stream.finish()
+        content, calls = content + text, calls + new
+        assert content.strip() == expected_content, size
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected_calls], size
+    # text that only looks like a marker's start is sent once it cannot be one
+    stream = HermesParser().stream(FUNCTIONS)
+    assert stream.push("a <tool") == ("a ", []) and stream.push("box>") == ("<toolbox>", [])
+
+
+def test_llama3_json_calls_and_plain_messages():
+    parser = Llama3JsonParser()
+    content, calls = parser.extract('{"name": "add", "parameters": {"a": 1, "b": false}}; '
+                                    '{"name": "get_weather", "parameters": {"city": "Lima", "unit": "f"}}', FUNCTIONS)
+    assert content is None and [c.name for c in calls] == ["add", "get_weather"]
+    assert json.loads(calls[1].arguments) == {"city": "Lima", "unit": "f"}
+    assert parser.extract("It is sunny.", FUNCTIONS) == ("It is sunny.", [])
+    assert parser.extract('{"name": "add", "parameters": {"a": 1}} and more', FUNCTIONS)[1] == []
+    stream = parser.stream(FUNCTIONS)
+    assert stream.push('{"name": "add", ') == ("", []) and stream.push('"parameters": {"a": 3, "b": true}}') == ("", [])
+    assert [c.name for c in stream.finish()[1]] == ["add"]
+    prose = parser.stream(FUNCTIONS)
+    assert prose.push("Hello") == ("Hello", []) and prose.push(" there") == (" there", [])
+
+
+def test_the_parser_follows_the_template_or_the_config():
+    assert isinstance(choose_parser(HERMES_TEMPLATE), HermesParser)
+    assert isinstance(choose_parser("... <|python_tag|> ..."), Llama3JsonParser)
+    assert isinstance(choose_parser(None), HermesParser)   # no tools in the template: the fallback prompt's format
+    assert isinstance(choose_parser(HERMES_TEMPLATE, "llama3_json"), Llama3JsonParser)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        choose_parser(None, "xml")
+
+
+def test_templates_get_arguments_as_objects_and_the_fallback_writes_hermes():
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": true}'}}
+    messages = [{"role": "user", "content": "add"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    native = template_messages(messages, FUNCTIONS, native=True)
+    assert native[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": True}
+    fallback = template_messages(messages, FUNCTIONS, native=False)
+    assert fallback[0]["role"] == "system" and '"name": "get_weather"' in fallback[0]["content"]
+    assert fallback[2] == {"role": "assistant", "content":
+                           '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": true}}\n</tool_call>'}
+    assert fallback[3] == {"role": "user", "content": "<tool_response>\n2\n</tool_response>"}
+
+
+@pytest.mark.parametrize("tools, choice, message", [
+    ([{"type": "function", "function": {"description": "x"}}], None, "tools[0].function.name"),
+    ([{"type": "retrieval"}], None, "tools[0]: a tool is"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], None, "tools[0].function.parameters"),
+    ([WEATHER, WEATHER], None, "given twice"),
+    ({"get_weather": {}}, None, "tools: a list of tools"),
+    ([], "required", "tool_choice: 'required' needs tools"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "no tool is named 'nope'"),
+    ([WEATHER], "sometimes", "tool_choice"),
+])
+def test_bad_tools_and_choices_are_named(tools, choice, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_tool_choice(choice, parse_tools(tools))
+
+
+def test_tool_grammars_compile():
+    for parser in (HermesParser(), Llama3JsonParser()):
+        for parallel in (False, True):
+            parser.grammar(FUNCTIONS, parallel).grammar()
+            parser.grammar(FUNCTIONS[:1], parallel).grammar()
+
+
+# ---- over HTTP ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_pair(tmp_path_factory):
+    """A tiny target and draft with room for the tools' signatures (a byte per token here)."""
+    from helpers import make_noisy_copy, make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tools")
+    target = make_tiny_checkpoint(root / "target", arch="qwen2", seed=0, max_position_embeddings=2048)
+    return target, make_noisy_copy(target, root / "draft", noise=0.1)
+
+
+def build(tiny_pair, template: str | None, tool_call_parser: str = "auto") -> InProcessServer:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.tokenizer import load_tokenizer
+    from server.api import create_app
+    from server.metrics import Metrics
+    torch.set_num_threads(1)
+    target, draft = tiny_pair
+    spec = {"method": "auto", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False}
+    engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8,
+                                 speculative=spec))
+    tokenizer = load_tokenizer(str(target))
+    if template is not None:
+        tokenizer.chat_template = template
+    metrics = Metrics(MODEL, engine.method, proposers=engine.configured_proposers)
+    return InProcessServer(create_app(engine, tokenizer, MODEL, None, metrics, tool_call_parser=tool_call_parser))
+
+
+@pytest.fixture(scope="module")
+def hermes(long_pair):
+    with build(long_pair, HERMES_TEMPLATE) as server:
+        yield server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def others(long_pair):
+    """The tiny model's own template (no tools: the fallback) and a Llama 3.1-style one."""
+    with build(long_pair, None) as plain, build(long_pair, LLAMA3_TEMPLATE, "llama3_json") as llama:
+        yield {name: openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+               for name, s in (("fallback", plain), ("llama3", llama))}
+
+
+ASK = [{"role": "user", "content": "What is the weather in Oslo, and what is 2 + 2?"}]
+
+
+def test_tool_choice_required_always_yields_calls_whose_arguments_parse(hermes):
+    _, client = hermes
+    for seed in range(4):   # one call: the grammar ends after it
+        response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                  parallel_tool_calls=False, temperature=1.0, seed=seed,
+                                                  max_tokens=120)
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        assert valid_call(choice.message.tool_calls[0]) and choice.message.content is None
+        assert response.speculative["methods"].get("grammar", 0) > 0   # the fixed parts drafted for free
+    for seed in range(2):   # parallel calls: as many as the model writes (a random one may go on to max_tokens)
+        choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                temperature=1.0, seed=seed, max_tokens=200).choices[0]
+        assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls
+        assert all(valid_call(call) for call in choice.message.tool_calls)
+
+
+def test_a_named_tool_choice_calls_that_function_streamed_or_not(hermes):
+    _, client = hermes
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    full = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
+                                          temperature=0.0, max_tokens=120)
+    calls = full.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather"] * len(calls) and valid_weather(call_args(calls[0]))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
+                                                 temperature=0.0, max_tokens=120, stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(calls)]   # greedy: the same calls
+    assert all(d.id.startswith("call_") and d.type == "function" for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# The model is made to write a call by a grammar: "auto" must find it in free text, streamed or not.
+SCRIPTED = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "unit": "f"}}\n'
+            '</tool_call>')
+
+
+def test_auto_parses_calls_out_of_the_text_streamed_or_not(hermes):
+    _, client = hermes
+    forced = {"structured_outputs": {"grammar": f"start: {json.dumps(SCRIPTED)}"}}
+    full = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160, temperature=0,
+                                          extra_body=forced).choices[0]
+    assert full.message.content == "Checking." and full.finish_reason == "tool_calls"
+    assert [(c.function.name, call_args(c)) for c in full.message.tool_calls] == [
+        ("get_weather", {"city": "Lima", "unit": "f"})]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160,
+                                                 temperature=0, stream=True, extra_body=forced))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert text.strip() == "Checking." and len(calls) == 1 and json.loads(calls[0].function.arguments)["city"] == "Lima"
+    # tool_choice "none": the same text is a message, the tools are not even in the prompt
+    none = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=160,
+                                          temperature=0, extra_body=forced).choices[0]
+    assert none.message.content == SCRIPTED and not none.message.tool_calls and none.finish_reason == "stop"
+
+
+def test_a_tool_round_trip(hermes):
+    url, client = hermes
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=120).choices[0]
+    call = first.message.tool_calls[0]
+    messages = ASK + [first.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "12 degrees"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    import httpx
+    tokens = httpx.post(url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    text = httpx.post(url + "/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert f'"arguments": {call.function.arguments}' in text   # an object, not a JSON string inside a string
+    assert "<tool_response>\n12 degrees\n</tool_response>" in text and '"name": "get_weather"' in text
+
+
+def test_a_template_without_tools_gets_them_in_the_system_prompt(others):
+    client = others["fallback"]
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                              temperature=1.0, seed=3, max_tokens=120)
+    assert response.choices[0].message.tool_calls and all(valid_call(c) for c in response.choices[0].message.tool_calls)
+    assert response.usage.prompt_tokens > 300   # the tools' signatures are in the prompt
+
+
+def test_llama3_json_calls_over_http(others):
+    client = others["llama3"]
+    for seed in range(2):
+        response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                  parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=120)
+        calls = response.choices[0].message.tool_calls
+        assert calls and all(valid_call(c) for c in calls) and response.choices[0].message.content is None
+
+
+def test_parse_with_a_pydantic_model(hermes):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        ok: bool
+        colour: Literal["red", "green", "blue"]
+        score: int = Field(ge=0, le=9)
+
+    _, client = hermes
+    for seed in range(3):
+        parsed = client.beta.chat.completions.parse(model=MODEL, messages=ASK, response_format=Verdict,
+                                                    temperature=1.0, seed=seed, max_tokens=60)
+        verdict = parsed.choices[0].message.parsed
+        assert isinstance(verdict, Verdict) and verdict.colour in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "(("}}}}}], "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(hermes, extra, param):
+    _, client = hermes
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=extra)
+    assert info.value.body["param"] == param, info.value.body
+    ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4)   # the server goes on
+    assert ok.choices[0].finish_reason in ("stop", "length")
