@@ -54,7 +54,9 @@ def exported() -> dict[str, str]:
         num_drafts=2, num_draft_tokens=8, num_accepted_tokens=3, num_target_forwards=2,
         accepted_per_position=(2, 1, 0, 0), accepted_lengths=(2, 1), draft_time_s=0.002,
         verify_time_s=0.01, plain_step_time_s=0.008, pure_decode=True,
-        chosen_k=(4, 4), drafts_by_method=(("draft", 4, 2), ("ngram", 4, 1)), predicted_time_s=0.011))
+        chosen_k=(4, 4), drafts_by_method=(("draft", 4, 2), ("ngram", 4, 1)), predicted_time_s=0.011,
+        mask_time_s=0.0004, num_masked_rows=5, grammar_compile_s=(0.002,), grammar_cache_hits=1))
+    metrics.observe_structured("json_schema")
     metrics.observe_request(RequestOutput("r", [1], finished=True, finish_reason="stop",
                                           timing=RequestTiming(0.0, 0.1, 0.2, 1.0)))
     metrics.observe_token_gap(0.02)
@@ -139,7 +141,8 @@ def test_dashboard_covers_the_engine(dashboard):
                    "kv_cache_usage_perc", "num_preemptions", "batch_size", "spec_decode_chosen_k",
                    "spec_decode_num_draft_tokens_by_proposer", "spec_decode_num_accepted_tokens_by_proposer",
                    "spec_decode_predicted_step_time_seconds", "spec_decode_measured_step_time_seconds",
-                   "spec_decode_step_time_ratio"]:
+                   "spec_decode_step_time_ratio", "structured_requests", "structured_compile_seconds",
+                   "structured_cache_hits", "structured_mask_seconds"]:
         assert "specserve:" + needed in base, f"no panel shows {needed}"
     quantiles = " ".join(e for e in dashboard_exprs(dashboard) if "histogram_quantile" in e)
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds"):

@@ -333,3 +333,25 @@ def test_bad_tool_requests_are_400s_naming_the_field(hermes, extra, param):
     assert info.value.body["param"] == param, info.value.body
     ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4)   # the server goes on
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_structured_requests_show_in_the_metrics(hermes):
+    """Constrained requests by kind, the matcher builds (and their grammar cache hits), the mask's
+    time and rows, and the forced tokens the grammar drafted, accepted every one."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, client = hermes
+    for _ in range(2):   # the same tools twice: the second build's grammar comes from the cache
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[ADD], tool_choice="required",
+                                       parallel_tool_calls=False, temperature=0, max_tokens=100)
+    samples = {(s.name, s.labels.get("kind") or s.labels.get("proposer")): s.value
+               for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+               for s in family.samples}
+    assert samples[("specserve:structured_requests_total", "grammar")] >= 2
+    assert samples[("specserve:structured_compile_seconds_count", None)] >= 2
+    assert samples[("specserve:structured_cache_hits_total", None)] >= 1
+    assert samples[("specserve:structured_mask_seconds_total", None)] > 0
+    assert samples[("specserve:structured_masked_rows_total", None)] > 0
+    drafted = samples[("specserve:spec_decode_num_draft_tokens_by_proposer_total", "grammar")]
+    assert drafted > 0 and samples[("specserve:spec_decode_num_accepted_tokens_by_proposer_total", "grammar")] == drafted
