@@ -172,6 +172,7 @@ class GrammarQueue:
         state = self.compiler.state(spec)
         cached = _grammar.cache_info().hits > hits
         state.masks([])   # the first mask over a tokenizer builds its token trie (a second, once): here, not in a step
+        state.take_mask_seconds()
         return state, time.monotonic() - started, cached
 
     def ready(self) -> tuple[list, list[tuple[object, str]]]:
@@ -215,30 +216,48 @@ class GrammarQueue:
 
 
 class GrammarState:
-    """One request's matcher: where its output stands in the grammar."""
+    """One request's matcher: where its output stands in the grammar. The masks of a step are kept
+    by draft prefix until the request advances: a draft model masks its proposals with them while it
+    drafts, and verification reuses them for the same prefixes."""
 
     def __init__(self, matcher, matcher_vocab: int, vocab_size: int):
         self.matcher, self.matcher_vocab, self.vocab_size = matcher, matcher_vocab, vocab_size
         self._consumed = 0   # tokens advanced by: the matcher's position
         self._forced: tuple[int, list[int]] | None = None   # (position, forced tokens there)
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}   # draft prefix -> the mask after it, from here
+        self.mask_seconds = 0.0   # spent computing masks since the engine last took it (take_mask_seconds)
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of these tokens (a draft) the grammar allows in order from here."""
         return self.matcher.validate_tokens(tokens) if tokens else 0
 
+    def mask_after(self, prefix: list[int]) -> torch.Tensor:
+        """bool [vocab]: the tokens allowed after this draft prefix (each of its tokens allowed). The
+        matcher ends where it began."""
+        key = tuple(prefix)
+        row = self._rows.get(key)
+        if row is None:
+            from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+            started = time.perf_counter()
+            bits = allocate_token_bitmask(1, self.matcher_vocab)
+            if prefix and not self.matcher.consume_tokens(list(prefix)):
+                raise RuntimeError(f"the grammar refused draft {list(prefix)}: {self.matcher.get_error()}")
+            fill_next_token_bitmask(self.matcher, bits, 0)
+            if prefix:
+                self.matcher.rollback(len(prefix))
+            row = self._rows[key] = unpack_bitmask(bits, self.vocab_size)[0]
+            self.mask_seconds += time.perf_counter() - started
+        return row
+
     def masks(self, draft: list[int]) -> torch.Tensor:
         """bool [len(draft) + 1, vocab]: the tokens allowed after each prefix of the draft (every draft
-        token must be allowed: valid_prefix cut the draft). The matcher ends where it began."""
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+        token must be allowed: valid_prefix cut the draft)."""
+        return torch.stack([self.mask_after(draft[:j]) for j in range(len(draft) + 1)])
 
-        bits = allocate_token_bitmask(len(draft) + 1, self.matcher_vocab)
-        for j in range(len(draft) + 1):
-            fill_next_token_bitmask(self.matcher, bits, j)
-            if j < len(draft) and not self.matcher.consume_token(draft[j]):
-                raise RuntimeError(f"the grammar refused draft token {draft[j]}: {self.matcher.get_error()}")
-        if draft:
-            self.matcher.rollback(len(draft))
-        return unpack_bitmask(bits, self.vocab_size)
+    def take_mask_seconds(self) -> float:
+        seconds, self.mask_seconds = self.mask_seconds, 0.0
+        return seconds
 
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar admits as the only continuation from here (none where it branches),
@@ -252,11 +271,19 @@ class GrammarState:
         if tokens and not self.matcher.consume_tokens(tokens):
             raise RuntimeError(f"the grammar refused an emitted token: {self.matcher.get_error()}")
         self._consumed += len(tokens)
+        if tokens:
+            self._rows.clear()
 
     @property
     def finished(self) -> bool:
         """The grammar admits nothing more (only an end of sequence)."""
         return self.matcher.is_stopped()
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Forbidden tokens get no probability, in place (a forward's output is an inference tensor)."""
+    with torch.inference_mode():
+        return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

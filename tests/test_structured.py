@@ -175,3 +175,26 @@ def test_forced_tokens_are_drafted_free_and_always_accepted(models, plain):
         json.loads(out.text)
         assert out.spec.passes_by_method.get("grammar", 0) > 0
         assert out.spec.target_forwards < len(out.token_ids) / 2   # most tokens were forced
+
+
+def test_a_draft_model_drafts_under_the_grammar(models, plain, monkeypatch):
+    """The draft model's proposals are masked by the request's grammar as it drafts: none is ever cut
+    by verification's check, sampled or greedy, and greedy output stays plain decoding's."""
+    from engine.structured import GrammarState
+
+    cuts = []
+    real = GrammarState.valid_prefix
+
+    def recording(self, tokens):
+        keep = real(self, tokens)
+        cuts.append(len(tokens) - keep)
+        return keep
+
+    monkeypatch.setattr(GrammarState, "valid_prefix", recording)
+    llm = LLM(models[0], dtype="float32", speculative={"method": "draft", "model": models[1],
+                                                      "num_speculative_tokens": 4, "adaptive": False})
+    for kind in ("regex", "grammar", "json_schema"):
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured=SPECS[kind]))
+        assert all(matches(kind, o.text) for o in outs if o.finish_reason == "stop"), kind
+        assert [o.token_ids for o in greedy(llm, SPECS[kind])] == [o.token_ids for o in greedy(plain, SPECS[kind])]
+    assert len(cuts) > 20 and not any(cuts)

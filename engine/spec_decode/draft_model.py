@@ -6,7 +6,9 @@ is valid for each request (a cursor). It catches up lazily: a request it has not
 while (the policy chose n-gram or plain decoding) first gets every token it has not seen, in
 the same batched forward as the others' last token; then one token per sequential batched forward.
 A request stops drafting early when the draft is unsure: once the product of the draft's
-probabilities of its own tokens falls below the plan's p_min (the confidence stop).
+probabilities of its own tokens falls below the plan's p_min (the confidence stop). A constrained
+request (structured outputs) drafts from the draft's distribution under its grammar's mask, so it
+never proposes a token verification would cut, and q is that masked distribution.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample, warp_probs
 from engine.spec_decode.base import DraftJob, Proposal
+from engine.structured import mask_logits
 from engine.step_costs import DraftForward
 
 
@@ -73,6 +76,7 @@ class DraftModelProposer:
         forwards = []   # each draft step, timed: the forward and its sampling
         active = list(range(len(items)))
         for step in range(max_k):
+            _mask_by_grammar(logits, [requests[a] for a in active], [drafts[a] for a in active])
             if all(params[a].greedy for a in active):
                 tokens, own = greedy_choice(logits)
             else:
@@ -83,7 +87,8 @@ class DraftModelProposer:
                 confidence[a] *= p
             # The .tolist() calls of the choice waited for the device: the step is over.
             forwards.append(DraftForward(self.method, rows, catch_up, work_clock() - started))
-            active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min]
+            active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min
+                      and drafts[a][-1] not in requests[a].eos_token_ids]   # nothing follows an end
             if not active:
                 break
             rows, catch_up, started = len(active), 0, work_clock()
@@ -153,3 +158,13 @@ def greedy_choice(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     tokens = logits.argmax(dim=-1)
     own = (logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)).exp()
     return tokens.tolist(), own.tolist()
+
+
+def _mask_by_grammar(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> None:
+    """Rows of constrained requests keep only the tokens their grammar allows after the draft so far."""
+    for row, (request, draft) in enumerate(zip(requests, drafts)):
+        if request.grammar is not None:
+            allowed = request.grammar.mask_after(draft)
+            if allowed.any():   # nothing allowed: the request is at its end, verification stops it
+                mask_logits(logits[row], allowed)
+
