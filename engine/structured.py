@@ -63,7 +63,7 @@ class StructuredOutput:
                 raise ValueError(f"json_schema: not valid JSON: {exc}") from None
         if not isinstance(schema, dict):
             raise ValueError(f"json_schema: a schema is a JSON object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))   # key order kept: properties are written in schema order
 
     @classmethod
     def choice(cls, choices) -> "StructuredOutput":

@@ -198,3 +198,11 @@ def test_a_draft_model_drafts_under_the_grammar(models, plain, monkeypatch):
         assert all(matches(kind, o.text) for o in outs if o.finish_reason == "stop"), kind
         assert [o.token_ids for o in greedy(llm, SPECS[kind])] == [o.token_ids for o in greedy(plain, SPECS[kind])]
     assert len(cuts) > 20 and not any(cuts)
+
+
+def test_properties_are_written_in_the_schemas_order(plain):
+    """As OpenAI's structured outputs do: the schema's order, not an alphabetical one."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"enum": ["a", "b"]}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    out = greedy(plain, StructuredOutput.json_schema(schema))[0]
+    assert list(json.loads(out.text)) == ["zeta", "alpha"]
