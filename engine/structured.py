@@ -5,9 +5,12 @@ A constrained request is masked at every row that can emit a token for it (a pla
 verification row, the bonus row) before sampling and before the accept/reject test, so its output
 follows the target's distribution restricted to the tokens the grammar allows (renormalised), with
 or without speculation: verification compares the draft against that masked distribution, which is
-the one plain decoding samples. A draft is cut at its first token the grammar forbids (it could
-never be accepted, and would cost a verification row); the matcher advances by the tokens a step
-keeps, and computing a step's masks consumes its drafts and rolls them back.
+the one plain decoding samples. A draft is cut at its first token the grammar forbids: it could never
+be accepted, and where the draft was one-hot (n-gram, suffix, forced tokens), greedy or seeded the
+row that follows samples from the masked target exactly as its rejection would. A token drawn from
+a real draft distribution q is kept instead (the draft model masks its own drafts, so only a
+proposer that does not would draw one): its certain rejection must resample from the residual
+max(0, p' - q), which the cut would skip. The matcher advances by the tokens a step keeps.
 
 Grammars are llguidance's (MIT; what llama.cpp and vLLM offer): an Earley parser over the
 tokenizer's byte strings that computes masks lazily, with rollback, its work per mask bounded by its
@@ -295,17 +298,28 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def constrain(scheduled, proposal) -> dict[int, torch.Tensor]:
-    """Cut each constrained request's draft at its first token the grammar forbids, and return the
-    masks of its emitting rows, by position in `scheduled` (bool [1 + drafts, vocab]). Leaves every
-    matcher where it was: a failed pass can be rerun."""
+    """Cut each constrained request's draft at its first token the grammar forbids (after it, where
+    rejection sampling must judge it against q), and return the masks of its emitting rows, by
+    position in `scheduled` (bool [1 + drafts, vocab]). Leaves every matcher where it was: a failed
+    pass can be rerun."""
     masks = {}
     for i, item in enumerate(scheduled):
         state = item.request.grammar
         if state is None or not item.samples:
             continue
         draft = proposal.draft_token_ids[i]
-        keep = state.valid_prefix(draft)
-        if keep < len(draft):
+        valid = state.valid_prefix(draft)
+        if valid < len(draft):
+            keep = valid + 1 if _judged_against_q(item.request, proposal, i, valid) else valid
             proposal.draft_token_ids[i] = draft = draft[:keep]
-        masks[i] = state.masks(draft)
+        masks[i] = state.masks(draft[:valid])
+        if len(draft) > valid:   # after a forbidden token: a row its certain rejection never reaches
+            masks[i] = torch.cat([masks[i], masks[i].new_ones(1, masks[i].shape[1])])
     return masks
+
+
+def _judged_against_q(request, proposal, i: int, position: int) -> bool:
+    """Whether a draft token is verified by rejection sampling against a real (not one-hot) q."""
+    if request.params.greedy or request.noise is not None or proposal.draft_probs is None:
+        return False
+    return bool(proposal.draft_probs[i, position].amax() > 0)

@@ -4,6 +4,7 @@ their first forbidden token."""
 import json
 
 import pytest
+import torch
 from helpers import make_noisy_copy, make_tiny_checkpoint
 
 from engine import LLM, SamplingParams
@@ -85,12 +86,20 @@ def test_a_draft_is_cut_at_its_first_token_the_grammar_forbids(plain):
     state = engine.grammars.compiler.state(SPECS["choice"])
     good, bad = plain.tokenizer.encode("yes please"), plain.tokenizer.encode("yes sir")
     shared = next(i for i, (a, b) in enumerate(zip(good, bad)) if a != b)
-    proposal = Proposal([list(bad)], None)
-    masks = constrain([SimpleNamespace(request=SimpleNamespace(grammar=state), samples=True)], proposal)
+    sampled = SamplingParams(temperature=1.0)
+    item = SimpleNamespace(request=SimpleNamespace(grammar=state, params=sampled, noise=None), samples=True)
+    proposal = Proposal([list(bad)], None)   # one-hot drafts (n-gram, suffix): cut before the forbidden token
+    masks = constrain([item], proposal)
     assert proposal.draft_token_ids[0] == bad[:shared]
     assert masks[0].shape == (shared + 1, engine.vocab_size)
     assert all(masks[0][j, good[j]] for j in range(shared + 1))   # the grammar's own path stays open
     assert not masks[0][shared, bad[shared]]
+    # drawn from a real q: the forbidden token stays, for rejection sampling to resample from the residual
+    q = torch.full((1, len(bad), engine.vocab_size), 1.0 / engine.vocab_size)
+    proposal = Proposal([list(bad)], q)
+    masks = constrain([item], proposal)
+    assert proposal.draft_token_ids[0] == bad[:shared + 1] and masks[0].shape == (shared + 2, engine.vocab_size)
+    assert not masks[0][shared, bad[shared]] and masks[0][shared + 1].all()   # a row its rejection never reaches
     state.advance(good)   # the masks left the matcher where it was
     assert state.finished
 
