@@ -359,8 +359,8 @@ class Engine:
             new.append(token)
             if logprobs is not None:
                 request.logprobs.append(logprobs[j])
-            if request.grammar is not None:
-                request.grammar.advance([token])
+            if request.grammar is not None and not self._advance_grammar(request, token):
+                break
             if token in request.eos_token_ids or token in params.stop_token_ids:
                 request.finish_reason = "stop"
             elif request.grammar is not None and request.grammar.finished:   # it admits nothing more
@@ -371,6 +371,18 @@ class Engine:
                 request.status = RequestStatus.FINISHED
                 break
         return new
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> bool:
+        """Move the request's matcher past an emitted token. A refusal (the grammar engine disagreeing
+        with its own mask) ends this request with an error, never the loop."""
+        try:
+            request.grammar.advance([token])
+            return True
+        except RuntimeError as exc:
+            logger.error("request %s: %s", request.request_id, exc)
+            request.finish_reason, request.error, request.status = "error", str(exc), RequestStatus.FINISHED
+            return False
 
     def _store_prompt_logprobs(self, request: Request, item, rows) -> None:
         if request.prompt_logprobs is None:
@@ -401,7 +413,7 @@ class Engine:
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             new_logprobs=request.logprobs[start:] if request.params.logprobs is not None else None,
-            prompt_logprobs=prompt_logprobs, spec=request.spec_stats, timing=timing,
+            prompt_logprobs=prompt_logprobs, spec=request.spec_stats, timing=timing, error=request.error,
         )
 
     def _fail(self, items: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:

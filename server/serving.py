@@ -54,7 +54,7 @@ class Server:
         self.watchdog_timeout = watchdog_timeout
         self.tokenizer = tokenizer
         template = getattr(tokenizer, "chat_template", None)
-        self.tool_parser = choose_parser(template, tool_call_parser)   # how this model writes tool calls
+        self.tool_parser = choose_parser(template, tool_call_parser, tokenizer)   # how this model writes tool calls
         self.native_tools = template_renders_tools(template)           # else the tools go in the system prompt
         self.token_str = TokenStrings(tokenizer)
         self.served_model_name = served_model_name

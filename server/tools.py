@@ -155,6 +155,12 @@ class HermesParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
+    def __init__(self, tokenizer=None):
+        # Where the tokenizer has the markers as tokens of their own (Qwen2.5's added tokens), the
+        # grammar names those tokens: the model writes them so, and llguidance does not match an
+        # added token against the marker's text.
+        self.start, self.end = (_literal(tokenizer, marker) for marker in (self.START, self.END))
+
     def extract(self, text, functions):
         calls, content, last = [], [], 0
         for match in self.BLOCK.finditer(text):
@@ -177,7 +183,8 @@ class HermesParser(ToolParser):
     def grammar(self, functions, parallel):
         schema = json.dumps(_call_schema(functions, "arguments"))
         more = ' ("\\n" call)*' if parallel else ""
-        return StructuredOutput("grammar", f'start: call{more}\ncall: "<tool_call>\\n" %json{schema} "\\n</tool_call>"')
+        call = f'{self.start} "\\n" %json{schema} "\\n" {self.end}'
+        return StructuredOutput("grammar", f"start: call{more}\ncall: {call}")
 
     @staticmethod
     def system_prompt(functions: list[Function]) -> str:
@@ -224,17 +231,24 @@ class Llama3JsonParser(ToolParser):
 PARSER_CLASSES = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
 
 
-def choose_parser(chat_template: str | None, configured: str = "auto") -> ToolParser:
+def choose_parser(chat_template: str | None, configured: str = "auto", tokenizer=None) -> ToolParser:
     """The parser a config key names, or the one the chat template writes calls for (Hermes where it
     shows none: the fallback prompt asks for that format)."""
     if configured != "auto":
         if configured not in PARSER_CLASSES:
             raise ValueError(f"tool_call_parser must be auto or one of {', '.join(PARSERS)}, got {configured!r}")
-        return PARSER_CLASSES[configured]()
+        return HermesParser(tokenizer) if configured == "hermes" else Llama3JsonParser()
     template = chat_template or ""
     if "<|python_tag|>" in template or '"parameters": ' in template:
         return Llama3JsonParser()
-    return HermesParser()
+    return HermesParser(tokenizer)
+
+
+def _literal(tokenizer, text: str) -> str:
+    """A grammar terminal for a marker: its token by id where the tokenizer added it as one token
+    (llguidance's <[id]>), else its text."""
+    added = tokenizer.get_added_vocab() if tokenizer is not None else {}
+    return f"<[{added[text]}]>" if text in added else json.dumps(text)
 
 
 def template_renders_tools(chat_template: str | None) -> bool:

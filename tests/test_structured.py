@@ -215,3 +215,29 @@ def test_properties_are_written_in_the_schemas_order(plain):
               "required": ["zeta", "alpha"], "additionalProperties": False}
     out = greedy(plain, StructuredOutput.json_schema(schema))[0]
     assert list(json.loads(out.text)) == ["zeta", "alpha"]
+
+
+def test_a_grammar_refusing_a_token_fails_that_request_alone(plain, monkeypatch):
+    """Should the grammar engine refuse a token its own mask allowed, that request ends with an error
+    naming it; the step's other requests go on and the engine keeps serving."""
+    from engine.structured import GrammarState
+
+    real = GrammarState.advance
+
+    def refusing(self, tokens):
+        if getattr(self, "doomed", False):
+            raise RuntimeError("the grammar refused an emitted token: test")
+        real(self, tokens)
+
+    monkeypatch.setattr(GrammarState, "advance", refusing)
+    engine = plain.engine
+    engine.add_request("doomed", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, structured=SPECS["regex"]))
+    engine.add_request("fine", [5, 6, 8], SamplingParams(max_tokens=8, temperature=0.0, structured=SPECS["regex"]))
+    finals = {}
+    while engine.has_unfinished_requests():
+        doomed = engine.requests.get("doomed")
+        if doomed is not None and doomed.grammar is not None:
+            doomed.grammar.doomed = True
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["doomed"].finish_reason == "error" and "refused an emitted token" in finals["doomed"].error
+    assert finals["fine"].finish_reason == "stop" and finals["fine"].error is None
