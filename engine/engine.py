@@ -181,7 +181,7 @@ class Engine:
             request.finish_reason, request.status = "error", RequestStatus.FINISHED
             self.requests.pop(request.request_id, None)
             outputs.append(RequestOutput(request.request_id, [], True, "error", request.num_prompt_tokens, 0,
-                                         error=error))
+                                         error=error, invalid_request=True))
         return outputs
 
     def _forward(self, batch: SchedulerOutput, plan: StepPlan) -> tuple[Proposal, VerifyResult, float, float, Masks]:
@@ -374,14 +374,17 @@ class Engine:
 
     @staticmethod
     def _advance_grammar(request: Request, token: int) -> bool:
-        """Move the request's matcher past an emitted token. A refusal (the grammar engine disagreeing
-        with its own mask) ends this request with an error, never the loop."""
+        """Move the request's matcher past an emitted token. A refusal (the grammar past llguidance's
+        limits, or the grammar engine disagreeing with its own mask) ends this request with an error
+        naming it, never the loop."""
         try:
             request.grammar.advance([token])
             return True
         except RuntimeError as exc:
-            logger.error("request %s: %s", request.request_id, exc)
-            request.finish_reason, request.error, request.status = "error", str(exc), RequestStatus.FINISHED
+            message = f"{request.params.structured.kind}: {str(exc).splitlines()[0]}"   # not llguidance's state dump
+            logger.error("request %s: %s", request.request_id, message)
+            request.finish_reason, request.status = "error", RequestStatus.FINISHED
+            request.error, request.invalid_request = message, True
             return False
 
     def _store_prompt_logprobs(self, request: Request, item, rows) -> None:
@@ -414,6 +417,7 @@ class Engine:
             num_output_tokens=request.num_output_tokens,
             new_logprobs=request.logprobs[start:] if request.params.logprobs is not None else None,
             prompt_logprobs=prompt_logprobs, spec=request.spec_stats, timing=timing, error=request.error,
+            invalid_request=request.invalid_request,
         )
 
     def _fail(self, items: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:

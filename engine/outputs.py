@@ -53,6 +53,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first delta; entry 0 is None
     spec: SpecStats = field(default_factory=SpecStats)
     error: str | None = None                # set when finish_reason == "error"
+    invalid_request: bool = False           # that error is the request's own (its grammar admits no output)
     timing: RequestTiming | None = None     # only on the final output (finished=True)
 
 

@@ -50,6 +50,7 @@ class Request:
     prompt_logprobs_sent: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    invalid_request: bool = False   # that error is the request's own (its grammar), a client error
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

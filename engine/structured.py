@@ -176,6 +176,8 @@ class GrammarQueue:
         cached = _grammar.cache_info().hits > hits
         state.masks([])   # the first mask over a tokenizer builds its token trie (a second, once): here, not in a step
         state.take_mask_seconds()
+        if state.matcher.is_error():   # e.g. a regular expression no string matches
+            raise ValueError(f"{spec.kind}: the grammar admits no output (no text matches it)")
         return state, time.monotonic() - started, cached
 
     def ready(self) -> tuple[list, list[tuple[object, str]]]:

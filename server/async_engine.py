@@ -243,7 +243,12 @@ class AsyncEngine:
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed this request (finish_reason "error")."""
+    """The engine failed this request (finish_reason "error"); invalid_request: through a fault of
+    its own (a grammar that admits no output), a client error."""
+
+    def __init__(self, message: str, invalid_request: bool = False):
+        super().__init__(message)
+        self.invalid_request = invalid_request
 
 
 @dataclass(eq=False)
@@ -342,7 +347,7 @@ class Generation:
             if choice is None:
                 continue
             if item.finish_reason == "error":
-                raise RequestFailedError(item.error or "the engine failed this request")
+                raise RequestFailedError(item.error or "the engine failed this request", item.invalid_request)
             text, start = self._count_discarded(choice, choice.consume, item)
             if choice.finish_reason is not None:
                 del pending[item.request_id]

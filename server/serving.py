@@ -34,6 +34,8 @@ def server_error(exc: Exception) -> p.APIError:
         return p.APIError(503, str(exc), "server_error", code="shutting_down")
     if isinstance(exc, EngineDeadError):
         return p.APIError(503, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError) and exc.invalid_request:
+        return p.APIError(400, str(exc), code="invalid_grammar")
     return p.APIError(500, f"the engine failed this request: {exc}", "server_error", code="engine_error")
 
 

@@ -376,3 +376,19 @@ def test_markers_the_tokenizer_added_are_named_by_token_id(tmp_path):
     call = tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": false}}\n</tool_call>')
     assert call[0] == start and call[-1] == end and state.valid_prefix(call) == len(call)
     assert '"<tool_call>' in HermesParser().grammar(FUNCTIONS, parallel=True).value   # no tokenizer: the text
+
+
+def test_grammars_that_admit_nothing_or_never_end(hermes):
+    """A grammar no text matches is a 400 naming it (found when its matcher is built, in the engine);
+    one that never ends by right recursion runs into llguidance's limits: a 400 naming them; others
+    are served meanwhile."""
+    _, client = hermes
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": r"[^\s\S]"}})
+    assert info.value.body["code"] == "invalid_grammar" and "admits no output" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=12,
+                                  extra_body={"structured_outputs": {"grammar": 'start: "ab" start'}})
+    assert info.value.body["message"].startswith("grammar: ") and "\n" not in info.value.body["message"]
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).choices[0].finish_reason in ("stop", "length")
