@@ -392,3 +392,41 @@ def test_grammars_that_admit_nothing_or_never_end(hermes):
                                   extra_body={"structured_outputs": {"grammar": 'start: "ab" start'}})
     assert info.value.body["message"].startswith("grammar: ") and "\n" not in info.value.body["message"]
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_slow_compile_is_a_400_and_holds_up_no_one(hermes, monkeypatch):
+    """The server compiles a spec's grammar on a worker thread: past the timeout the request is a 400
+    naming the field, and a plain request sent meanwhile is answered at once."""
+    import threading
+    import time
+
+    import engine.structured as structured
+    import server.serving as serving
+
+    release = threading.Event()
+    real = structured._grammar
+
+    def slow(kind, value):
+        release.wait(5)
+        return real(kind, value)
+
+    monkeypatch.setattr(structured, "_grammar", slow)
+    monkeypatch.setattr(serving, "GRAMMAR_COMPILE_TIMEOUT", 1.0)
+    _, client = hermes
+    failure = []
+
+    def constrained():
+        try:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+        except openai.BadRequestError as exc:
+            failure.append(exc.body)
+
+    thread = threading.Thread(target=constrained)
+    thread.start()
+    started = time.monotonic()
+    client.completions.create(model=MODEL, prompt="y", max_tokens=2)
+    assert time.monotonic() - started < 1.0 and thread.is_alive()   # served while the grammar compiles
+    thread.join(10)
+    release.set()
+    assert failure and failure[0]["param"] == "structured_outputs" and "within 1 s" in failure[0]["message"]
