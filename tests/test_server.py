@@ -675,13 +675,13 @@ def test_stop_strings_split_inside_multibyte_characters(scripted_server, stop, t
 
 
 def test_eos_inside_an_accepted_run_over_http(scripted_server):
-    """13 tokens: the prefill's, then runs of 5, 5 and 2 (EOS is the third pass's own token; the two
-    drafts the target accepted after it are not counted)."""
+    """13 tokens: the prefill's, then runs of 5, 5 and 2 (EOS is the third pass's own token; the draft
+    stops after drafting EOS, so that pass verified 2 drafts, not 4)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 30, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", scripted_server.url + "/v1/chat/completions", json=body) as r:
         events = sse_events(r)
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == SCRIPT
     assert events[-2]["usage"]["completion_tokens"] == 13
-    assert events[-2]["speculative"] == {"proposed": 12, "accepted": 9, "target_forwards": 3, "discarded": 0,
-                                         "methods": {"draft": 3}, "k": {"4": 3}}
+    assert events[-2]["speculative"] == {"proposed": 10, "accepted": 9, "target_forwards": 3, "discarded": 0,
+                                         "methods": {"draft": 3}, "k": {"2": 1, "4": 2}}
