@@ -203,13 +203,18 @@ class Conversations:
 
 
 def run_lockstep(llms: dict[str, LLM], sessions: list[Session], max_tokens: int) -> dict[str, Run]:
-    """Every engine through the same sessions, one step of each in turn, the order rotating by one
-    each round (identical engines stepped in a fixed order measured 2-4% apart by their place)."""
+    """Every engine through the same sessions, one step of each in turn."""
     drivers = {name: Conversations(llm, sessions, max_tokens) for name, llm in llms.items()}
-    order = list(drivers.values())
+    step_in_turn(drivers.values())
+    return {name: d.run for name, d in drivers.items()}
+
+
+def step_in_turn(drivers) -> None:
+    """Step each driver (step(), done) in turn until all are done, the order rotating by one each
+    round (identical engines stepped in a fixed order measured 2-4% apart by their place)."""
+    order = list(drivers)
     while not all(d.done for d in order):
         for driver in order:
             if not driver.done:
                 driver.step()
         order = order[1:] + order[:1]
-    return {name: d.run for name, d in drivers.items()}

@@ -53,7 +53,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conversations import warm_engine  # noqa: E402
+from conversations import step_in_turn, warm_engine  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.structured import StructuredOutput  # noqa: E402
@@ -330,15 +330,9 @@ class StructuredDriver:
 
 def run_lockstep(llms: dict[str, LLM], requests: list[StructuredRequest], prompts: dict[int, list[int]],
                  max_tokens: int) -> dict[str, Tally]:
-    """Both engines through the same requests, one step of each in turn, the order rotating by one
-    every turn (a fixed order measured a few percent apart by place alone)."""
+    """Both engines through the same requests, one step of each in turn (conversations.step_in_turn)."""
     drivers = {name: StructuredDriver(llm, requests, prompts, max_tokens) for name, llm in llms.items()}
-    order = list(drivers.values())
-    while not all(d.done for d in order):
-        for driver in order:
-            if not driver.done:
-                driver.step()
-        order = order[1:] + order[:1]
+    step_in_turn(drivers.values())
     return {name: d.tally for name, d in drivers.items()}
 
 

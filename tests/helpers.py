@@ -294,3 +294,19 @@ def run_requests(engine, prompts, params, after_step=None) -> tuple[list[list[in
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     ids = [str(i) for i in range(len(prompts))]
     return [tokens[i] for i in ids], [finals[i] for i in ids]
+
+
+def recover_from_p(target_probs, draft_ids, num_drafts, draft_probs, is_greedy, generators, coupled_choice=None):
+    """A rejection sampler subtly broken, for negative controls: the right acceptance test, but a
+    rejected draft is replaced by a sample from p (under a grammar, the masked p'), not from the
+    residual max(0, p - q)."""
+    import torch
+
+    from engine.spec_decode.rejection import rejection_sample
+
+    out, accepted = rejection_sample(target_probs, draft_ids, num_drafts, draft_probs, is_greedy, generators,
+                                     coupled_choice)
+    rows = (accepted < num_drafts).nonzero().flatten()
+    fresh = torch.multinomial(target_probs[rows, accepted[rows]], 1, generator=torch.Generator().manual_seed(8))
+    out[rows, accepted[rows]] = fresh.flatten()
+    return out, accepted

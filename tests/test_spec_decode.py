@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import make_tiny_checkpoint, pooled_chisquare, run_requests
+from helpers import make_tiny_checkpoint, pooled_chisquare, recover_from_p, run_requests
 
 import engine.verify
 from engine import SamplingParams
@@ -379,17 +379,6 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_pair, case
         assert sample_sequences.mixed_passes > 0
     pvalues = position_pvalues(counts, probs)
     assert min(pvalues.values()) > P_MIN, pvalues
-
-
-def recover_from_p(target_probs, draft_ids, num_drafts, draft_probs, is_greedy, generators, coupled_choice=None):
-    """Subtly broken: the right acceptance test, but a rejected draft is replaced by a sample from p,
-    not from the residual max(0, p - q)."""
-    out, accepted = rejection_sample(target_probs, draft_ids, num_drafts, draft_probs, is_greedy, generators,
-                                     coupled_choice)
-    rows = (accepted < num_drafts).nonzero().flatten()
-    fresh = torch.multinomial(target_probs[rows, accepted[rows]], 1, generator=torch.Generator().manual_seed(8))
-    out[rows, accepted[rows]] = fresh.flatten()
-    return out, accepted
 
 
 def bonus_from_last_draft_row(target_probs, draft_ids, num_drafts, draft_probs, is_greedy, generators,

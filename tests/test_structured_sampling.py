@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import make_noisy_copy, make_tiny_checkpoint, pooled_chisquare
+from helpers import make_noisy_copy, make_tiny_checkpoint, pooled_chisquare, recover_from_p
 
 import engine.engine as engine_loop
 import engine.verify as verify_module
@@ -52,7 +52,6 @@ from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.spec_decode import draft_model
-from engine.spec_decode.rejection import rejection_sample
 from engine.structured import GrammarCompiler, StructuredOutput
 
 REGEX = "[a-d]{3}"
@@ -281,17 +280,6 @@ def test_sampling_under_a_grammar_follows_the_masked_target(models, method):
     # The control: the same counts tell step-by-step masking from the language-conditioned target.
     control = chi_square_pvalues(run.counts, exact, exact.conditioned)
     assert control["joint"] < P_MIN, control
-
-
-def recover_from_p(target_probs, draft_ids, num_drafts, draft_probs, is_greedy, generators, coupled_choice=None):
-    """Subtly broken: the right acceptance test, but a rejected draft is replaced by a sample from p'
-    (masked: the output stays in the language), not from the residual max(0, p' - q)."""
-    out, accepted = rejection_sample(target_probs, draft_ids, num_drafts, draft_probs, is_greedy, generators,
-                                     coupled_choice)
-    rows = (accepted < num_drafts).nonzero().flatten()
-    fresh = torch.multinomial(target_probs[rows, accepted[rows]], 1, generator=torch.Generator().manual_seed(8))
-    out[rows, accepted[rows]] = fresh.flatten()
-    return out, accepted
 
 
 @pytest.mark.slow   # chi-square: thousands of samples
