@@ -20,6 +20,7 @@ from engine.setup import EngineParts, build_engine_parts
 from engine.spec_decode.base import Proposal
 from engine.spec_decode.policy import Candidate, StepOutcome, StepPlan, StepView, Verified
 from engine.step_costs import PassTiming
+from engine.step_stats import Masks, method_of, step_stats
 from engine.structured import GrammarCompiler, GrammarQueue, constrain
 from engine.verify import VerifyResult, verify
 
@@ -208,7 +209,8 @@ class Engine:
             self.costs.observe(outcome.timing)
         self.policy.observe(plan, outcome)
         outputs, emitted_drafts = self._update(batch, plan, proposal, result)
-        self.last_stats = self._stats(batch, plan, proposal, emitted_drafts, draft_time, verify_time, outputs, masks)
+        self.last_stats = step_stats(self, batch, plan, proposal, emitted_drafts, draft_time, verify_time, outputs,
+                                      masks)
         self.totals.add(self.last_stats)
         self.num_steps += 1
         return outputs
@@ -327,7 +329,7 @@ class Engine:
                 request.noise.forget_before(request.num_output_tokens)
             request.num_proposed += len(proposal.draft_token_ids[i])
             if item.is_decode:
-                method = _method(plan, item) if proposal.draft_token_ids[i] else "none"
+                method = method_of(plan, item) if proposal.draft_token_ids[i] else "none"
                 request.passes_by_method[method] = request.passes_by_method.get(method, 0) + 1
                 k = len(proposal.draft_token_ids[i])
                 request.passes_by_k[k] = request.passes_by_k.get(k, 0) + 1
@@ -431,61 +433,3 @@ class Engine:
             outputs.append(RequestOutput(request.request_id, [], True, "error", request.num_prompt_tokens,
                                          request.num_output_tokens, error=f"{type(exc).__name__}: {exc}"))
         return outputs
-
-    # ---- statistics ------------------------------------------------------------------
-    def _stats(self, batch, plan: StepPlan, proposal: Proposal, emitted_drafts: list[int | None], draft_time: float,
-               verify_time: float, outputs: list[RequestOutput], masks: Masks) -> StepStats:
-        per_position = [0] * self.gamma
-        accepted_lengths = []
-        for drafts, emitted in zip(proposal.draft_token_ids, emitted_drafts):
-            if drafts and emitted is not None:
-                accepted_lengths.append(emitted)
-                for pos in range(emitted):
-                    per_position[pos] += 1
-        num_forwards = sum(e is not None for e in emitted_drafts)
-        pure_decode = all(item.is_decode for item in batch.scheduled)
-        by_method: dict[str, list[int]] = {}
-        for item, drafts, emitted in zip(batch.scheduled, proposal.draft_token_ids, emitted_drafts):
-            if drafts:
-                counts = by_method.setdefault(_method(plan, item), [0, 0])
-                counts[0] += len(drafts)
-                counts[1] += emitted or 0
-        num_draft_tokens = sum(len(d) for d in proposal.draft_token_ids)
-        compiled = self.grammars.drain_stats()
-        return StepStats(
-            method=self.method, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.pool.usage, batch_size=len(batch.scheduled),
-            num_batched_tokens=sum(s.num_new_tokens for s in batch.scheduled) + num_draft_tokens,
-            num_preemptions=len(batch.preempted), num_prompt_tokens=_first_token_prompts(outputs),
-            num_generation_tokens=sum(len(o.new_token_ids) for o in outputs),
-            num_drafts=len(accepted_lengths), num_draft_tokens=num_draft_tokens,
-            num_accepted_tokens=sum(accepted_lengths), num_target_forwards=num_forwards, pure_decode=pure_decode,
-            accepted_per_position=tuple(per_position), accepted_lengths=tuple(accepted_lengths),
-            draft_time_s=draft_time, verify_time_s=verify_time,
-            plain_step_time_s=self.costs.plain_step(len(batch.scheduled)) if pure_decode else None,
-            finished_reasons=tuple(o.finish_reason for o in outputs if o.finished),
-            chosen_k=tuple(len(d) for item, d in zip(batch.scheduled, proposal.draft_token_ids) if item.is_decode),
-            drafts_by_method=tuple((m, p, a) for m, (p, a) in sorted(by_method.items())),
-            predicted_time_s=plan.predicted_time if pure_decode else None,
-            mask_time_s=masks.seconds, num_masked_rows=sum(m.shape[0] for m in masks.rows.values()),
-            grammar_compile_s=tuple(compiled.seconds), grammar_cache_hits=compiled.cache_hits,
-        )
-
-
-@dataclass
-class Masks:
-    """A step's grammar masks, by position in the batch (bool [1 + drafts, vocab]), and the time they took."""
-    rows: dict[int, torch.Tensor]
-    seconds: float = 0.0
-
-
-def _method(plan: StepPlan, item: ScheduledRequest) -> str:
-    """The proposer that drafted for a scheduled request ("none" when it verifies no drafts)."""
-    draft = plan.drafts.get(item.request.request_id)
-    return draft.method if draft is not None and item.num_lookahead else "none"
-
-
-def _first_token_prompts(outputs: list[RequestOutput]) -> int:
-    """Prompt tokens of the requests that got their first token this step (each prompt counted once,
-    whatever prefix caching or recomputation after preemption did)."""
-    return sum(o.num_prompt_tokens for o in outputs if o.new_token_ids and o.num_output_tokens == len(o.new_token_ids))
