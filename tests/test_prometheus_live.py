@@ -4,7 +4,8 @@ A `specserve serve` subprocess on the tiny (target, noisy-copy draft) pair with 
 speculation (a static gamma, whose plans the cost tables price too) is scraped every
 second by Debian's `prometheus` (the package `make test` installs for promtool), with the target
 labels the Prometheus Operator's ServiceMonitor would add (namespace, pod). Client threads drive a
-mix of streaming and non-streaming completions and chat completions, some with n > 1, and streams
+mix of streaming and non-streaming completions and chat completions, some with n > 1, some under a
+JSON schema (structured outputs), and streams
 that the client drops mid-way (aborts), for ~12 s. Then each expression of each Grafana panel (its
 variables filled in as Grafana would), the dashboard's variable query, and the prometheus-adapter
 rule the HPA reads (seriesQuery, and metricsQuery with its templates expanded for the pod) is
@@ -130,6 +131,11 @@ class Prometheus:
 
 # ---------------------------------------------------------------------------- load
 
+FLAG_FORMAT = {"type": "json_schema", "json_schema": {"name": "flag", "schema": {
+    "type": "object", "properties": {"a_rather_long_flag_name": {"enum": ["raised", "lowered"]}},
+    "required": ["a_rather_long_flag_name"], "additionalProperties": False}}}
+
+
 def _requests(i: int) -> list[tuple[str, dict]]:
     """One round of a client's mix: (path, body) of completions and chat, streaming or not, n > 1."""
     seed = {"seed": i} if i % 2 else {"temperature": 0}
@@ -141,6 +147,9 @@ def _requests(i: int) -> list[tuple[str, dict]]:
                              "stream_options": {"include_usage": True}, **seed}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 10,
                                   "stream": True, "n": 2, "temperature": 0.8, "seed": i}),
+        # structured: a grammar compiled (cached after the first), masks, and forced tokens drafted
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"flag {i}"}], "max_tokens": 32,
+                                  "response_format": FLAG_FORMAT, **seed}),
     ]
 
 
