@@ -279,18 +279,17 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     streams = [server.tool_parser.stream(offered) if offered else None for _ in choices]
 
     def chunk(choice: Choice, text: str, start: int) -> dict | None:
-        tools, calls, sent = streams[choice.index], [], 0
-        if tools is not None:   # content streams on; a call goes out once its block has closed
-            sent = len(tools.calls)
+        tools, calls = streams[choice.index], []
+        if tools is not None:   # content streams on; a call from its name on, its arguments as they come
             text, calls = tools.push(text)
             if choice.finish_reason:
                 more_text, more_calls = tools.finish()
                 text, calls = text + more_text, calls + more_calls
-            calls = calls if body.parallel_tool_calls else calls[:max(0, 1 - sent)]
+            calls = calls if body.parallel_tool_calls else [c for c in calls if c.index == 0]
         if not (text or calls or choice.finish_reason or (body.logprobs and start < len(choice.token_ids))):
             return None
         delta = {**({"content": text} if text else {}),
-                 **({"tool_calls": [c.as_openai(sent + i) for i, c in enumerate(calls)]} if calls else {})}
+                 **({"tool_calls": [c.as_openai() for c in calls]} if calls else {})}
         finish = _finish_reason(choice.finish_reason, tools.calls if tools is not None else [])
         item = {"index": choice.index, "delta": delta, "logprobs": logprobs_of(choice, start), "finish_reason": finish}
         return {**head, "choices": [item], **usage_field}

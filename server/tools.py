@@ -14,13 +14,15 @@
   arguments parse and validate; the grammar's fixed parts (markers, keys, a sole function's name) are
   forced tokens, drafted for free. "auto" leaves the output free and parses it; "none" leaves the
   tools out of the prompt.
-- Streamed, a call goes out as one tool-call delta (id, name, the arguments whole) once its block has
-  closed and parsed; content streams as it comes, held back only while it might be a call's start.
+- Streamed (ToolStream), content goes out as it comes, held back only while it might be a call's
+  start; a call's first delta carries its id and name, then its arguments follow in fragments as
+  the model writes them, joining into the non-streamed arguments (the model's own text).
 
 Pure bookkeeping on text: no engine and no HTTP here.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -175,10 +177,16 @@ class HermesParser(ToolParser):
         return (joined or None), calls
 
     def parse_block(self, body: str, functions: list[Function]) -> ToolCall | None:
+        """A call from a block's text, its arguments as the model wrote them (what a stream sends)."""
         try:
-            return self._call(json.loads(body), functions, "arguments")
+            call = self._call(json.loads(body), functions, "arguments")
         except json.JSONDecodeError:
             return None
+        header = HEADER.match(body)
+        if call is not None and header:   # the usual order: the arguments' own text
+            _, end = json.JSONDecoder().raw_decode(body, header.end())
+            call = ToolCall(call.name, body[header.end():end], call.id)
+        return call
 
     def grammar(self, functions, parallel):
         schema = json.dumps(_call_schema(functions, "arguments"))
@@ -257,29 +265,52 @@ def template_renders_tools(chat_template: str | None) -> bool:
 
 # ---- streaming ---------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: its first carries the call (id, name) and maybe the start of its
+    arguments; the others carry more of the arguments' text. Concatenated: the call's arguments."""
+    index: int                    # the call's place in the choice's calls
+    arguments: str
+    call: ToolCall | None = None  # on a call's first delta
+
+    def as_openai(self) -> dict[str, Any]:
+        if self.call is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.call.id, "type": "function",
+                "function": {"name": self.call.name, "arguments": self.arguments}}
+
+
 class ToolStream:
-    """One choice's streamed output split into content deltas and finished calls."""
+    """One choice's streamed output split into content deltas and call deltas. A Hermes call goes out
+    as soon as its name is known, then its arguments as they come (held back only where they might
+    end); a Llama 3.1 output that may be calls is held until it ends."""
 
     def __init__(self, parser: ToolParser, functions: list[Function]):
         self.parser, self.functions = parser, functions
         self.buffer = ""        # text received and not yet sent
         self.mode = "start"     # start (nothing decided), content, call (inside a Hermes block), json (Llama 3.1)
-        self.calls: list[ToolCall] = []
+        self.calls: list[ToolCall] = []   # calls whose block has ended
+        self._open: ToolCall | None = None   # the call streaming now (its id and name), in a Hermes block
+        self._args_start = self._sent = 0    # where its arguments start in the block, and how much went out
 
-    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls) + (self._open is not None)
+
+    def push(self, text: str) -> tuple[str, list[CallDelta]]:
         self.buffer += text
         if isinstance(self.parser, HermesParser):
             return self._hermes(final=False)
         return self._whole_output(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         if isinstance(self.parser, HermesParser):
             return self._hermes(final=True)
         return self._whole_output(final=True)
 
-    def _hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
-        start, end = HermesParser.START, HermesParser.END
-        content, calls = "", []
+    def _hermes(self, final: bool) -> tuple[str, list[CallDelta]]:
+        start = HermesParser.START
+        content, deltas = "", []
         while self.buffer:
             if self.mode != "call":
                 at = self.buffer.find(start)
@@ -289,22 +320,58 @@ class ToolStream:
                     break
                 content, self.buffer, self.mode = content + self.buffer[:at], self.buffer[at + len(start):], "call"
                 continue
-            at = self.buffer.find(end)
-            if at < 0 and not final:
+            text, closed = self._block(final, deltas)
+            content += text
+            if not closed:
                 break
-            body = self.buffer if at < 0 else self.buffer[:at]
-            call = self.parser.parse_block(body, self.functions)
-            if call is None:   # not a call: its text is content
-                content += start + body + ("" if at < 0 else end)
-            else:
-                calls.append(call)
-            self.buffer, self.mode = ("" if at < 0 else self.buffer[at + len(end):]), "content"
-        if (calls or self.calls) and not content.strip():   # whitespace around calls is not content
+        if self.num_calls and not content.strip():   # whitespace around calls is not content
             content = ""
-        self.calls += calls
-        return content, calls
+        return content, deltas
 
-    def _whole_output(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _block(self, final: bool, deltas: list[CallDelta]) -> tuple[str, bool]:
+        """Inside a <tool_call> block (self.buffer): send what can be sent. Returns the content it
+        turned out to be (a block that is no call) and whether the block has ended."""
+        end = HermesParser.END
+        at = self.buffer.find(end)
+        body = self.buffer if at < 0 else self.buffer[:at]
+        if self._open is None and (header := HEADER.match(body)) and _unquote(header[1]) in self._names:
+            self._open = ToolCall(_unquote(header[1]), "", new_call_id())
+            self._args_start, self._sent = header.end(), 0
+            deltas.append(CallDelta(self.num_calls - 1, "", self._open))
+        if at < 0 and not final:   # the arguments so far, but for what may be their end
+            if self._open is not None:
+                held = _partial_suffix(body, end)
+                ready = body[self._args_start:len(body) - held].rstrip().rstrip("}").rstrip()
+                self._send(ready, deltas)
+            return "", False
+        self.buffer, self.mode = ("" if at < 0 else self.buffer[at + len(end):]), "content"
+        call = self.parser.parse_block(body, self.functions)
+        if self._open is None:   # the name came late, or never: the block whole, as a call or as content
+            if call is None:
+                return HermesParser.START + body + ("" if at < 0 else end), True
+            self.calls.append(call)
+            deltas.append(CallDelta(self.num_calls - 1, call.arguments, call))
+            return "", True
+        if call is not None and call.arguments.startswith(self._sent_text(body)):
+            self._send(call.arguments, deltas)   # the rest; a block that broke down stays as it went out
+        self.calls.append(ToolCall(self._open.name, call.arguments if call else self._sent_text(body),
+                                   self._open.id))
+        self._open = None
+        return "", True
+
+    def _send(self, arguments: str, deltas: list[CallDelta]) -> None:
+        if len(arguments) > self._sent:
+            deltas.append(CallDelta(self.num_calls - 1, arguments[self._sent:]))
+            self._sent = len(arguments)
+
+    def _sent_text(self, body: str) -> str:
+        return body[self._args_start:self._args_start + self._sent]
+
+    @functools.cached_property
+    def _names(self) -> set[str]:
+        return {f.name for f in self.functions}
+
+    def _whole_output(self, final: bool) -> tuple[str, list[CallDelta]]:
         """Llama 3.1: an output that opens with "{" (or the tag) may be calls: held until it ends."""
         if self.mode == "start":
             head = self.buffer.lstrip()
@@ -320,8 +387,20 @@ class ToolStream:
             return "", []
         content, calls = self.parser.extract(self.buffer, self.functions)
         self.buffer = ""
+        first = len(self.calls)
         self.calls += calls
-        return content or "", calls
+        return content or "", [CallDelta(first + i, call.arguments, call) for i, call in enumerate(calls)]
+
+
+# A Hermes call's opening, up to its arguments' first character: {"name": "<name>", "arguments":
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def _unquote(text: str) -> str | None:
+    try:
+        return json.loads(f'"{text}"')
+    except json.JSONDecodeError:
+        return None
 
 
 def _partial_suffix(text: str, marker: str) -> int:

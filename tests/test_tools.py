@@ -84,21 +84,44 @@ def test_hermes_blocks_become_calls_and_the_rest_content():
     assert HermesParser().extract("<tool_call>\n{broken\n</tool_call>", FUNCTIONS)[1] == []
 
 
+def streamed(stream, text: str, size: int) -> tuple[str, list[tuple[str, str]], int]:
+    """Content, calls (name, arguments joined from their deltas) and the number of deltas, when the
+    text arrives `size` characters at a time."""
+    content, names, arguments, num_deltas = "", {}, {}, 0
+    pieces = [stream.push(text[i:i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+    for piece, deltas in pieces:
+        content += piece
+        for delta in deltas:
+            num_deltas += 1
+            if delta.call is not None:
+                assert delta.index not in names and delta.call.id.startswith("call_")
+                names[delta.index] = delta.call.name
+            arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
+    return content, [(names[i], arguments[i]) for i in sorted(names)], num_deltas
+
+
 def test_a_streamed_output_gives_the_same_content_and_calls_at_any_chunking():
     expected_content, expected_calls = HermesParser().extract(HERMES_OUTPUT, FUNCTIONS)
     for size in (1, 2, 3, 7, 11, len(HERMES_OUTPUT)):
-        stream = HermesParser().stream(FUNCTIONS)
-        content, calls = "", []
-        for i in range(0, len(HERMES_OUTPUT), size):
-            text, new = stream.push(HERMES_OUTPUT[i:i + size])
-            content, calls = content + text, calls + new
-        text, new = stream.finish()
-        content, calls = content + text, calls + new
+        content, calls, num_deltas = streamed(HermesParser().stream(FUNCTIONS), HERMES_OUTPUT, size)
         assert content.strip() == expected_content, size
-        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected_calls], size
+        assert calls == [(c.name, c.arguments) for c in expected_calls], size
+        if size <= 3:   # the arguments went out as they came, not whole at the block's end
+            assert num_deltas > 2 * len(calls), (size, num_deltas)
     # text that only looks like a marker's start is sent once it cannot be one
     stream = HermesParser().stream(FUNCTIONS)
     assert stream.push("a <tool") == ("a ", []) and stream.push("box>") == ("<toolbox>", [])
+    # a call's name goes out first, its arguments but for what may be their end
+    stream = HermesParser().stream(FUNCTIONS)
+    assert stream.push('<tool_call>\n{"name": "add", "arguments": ') == ("", [])   # where do they start?
+    _, [first, opening] = stream.push("{")
+    assert (first.index, first.call.name, first.arguments, opening.arguments) == (0, "add", "", "{")
+    assert [d.arguments for d in stream.push('"a": 4, "b": true}}')[1]] == ['"a": 4, "b": true']
+    assert [d.arguments for d in stream.push("\n</tool_call>")[1]] == ["}"]
+    # a block whose name comes last, or that is no call, is judged whole at its end
+    late = '<tool_call>{"arguments": {"a": 1, "b": false}, "name": "add"}</tool_call> and <tool_call>{"x": 1}</tool_call>'
+    content, calls, _ = streamed(HermesParser().stream(FUNCTIONS), late, 4)
+    assert calls == [("add", '{"a": 1, "b": false}')] and content == ' and <tool_call>{"x": 1}</tool_call>'
 
 
 def test_llama3_json_calls_and_plain_messages():
@@ -111,7 +134,7 @@ def test_llama3_json_calls_and_plain_messages():
     assert parser.extract('{"name": "add", "parameters": {"a": 1}} and more', FUNCTIONS)[1] == []
     stream = parser.stream(FUNCTIONS)
     assert stream.push('{"name": "add", ') == ("", []) and stream.push('"parameters": {"a": 3, "b": true}}') == ("", [])
-    assert [c.name for c in stream.finish()[1]] == ["add"]
+    assert [(d.index, d.call.name, d.arguments) for d in stream.finish()[1]] == [(0, "add", '{"a": 3, "b": true}')]
     prose = parser.stream(FUNCTIONS)
     assert prose.push("Hello") == ("Hello", []) and prose.push(" there") == (" there", [])
 
@@ -236,9 +259,13 @@ def test_a_named_tool_choice_calls_that_function_streamed_or_not(hermes):
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
                                                  temperature=0.0, max_tokens=120, stream=True))
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
-        [(i, c.function.name, c.function.arguments) for i, c in enumerate(calls)]   # greedy: the same calls
-    assert all(d.id.startswith("call_") and d.type == "function" for d in deltas)
+    assert len(deltas) > 2 * len(calls)   # the arguments streamed in pieces
+    firsts = [d for d in deltas if d.id is not None]   # a call's first delta: id, type, name
+    assert [d.index for d in firsts] == list(range(len(calls)))
+    assert all(d.id.startswith("call_") and d.type == "function" and d.function.name for d in firsts)
+    joined = ["".join(d.function.arguments for d in deltas if d.index == i) for i in range(len(calls))]
+    assert [(d.function.name, args) for d, args in zip(firsts, joined)] == \
+        [(c.function.name, c.function.arguments) for c in calls]   # greedy: the same calls
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -258,8 +285,9 @@ def test_auto_parses_calls_out_of_the_text_streamed_or_not(hermes):
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160,
                                                  temperature=0, stream=True, extra_body=forced))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert text.strip() == "Checking." and len(calls) == 1 and json.loads(calls[0].function.arguments)["city"] == "Lima"
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert text.strip() == "Checking." and {d.index for d in deltas} == {0}
+    assert json.loads("".join(d.function.arguments for d in deltas)) == {"city": "Lima", "unit": "f"}
     # tool_choice "none": the same text is a message, the tools are not even in the prompt
     none = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=160,
                                           temperature=0, extra_body=forced).choices[0]
