@@ -29,6 +29,7 @@ from server.async_engine import Choice
 from server.middleware import GuardMiddleware
 from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_WATCHDOG_TIMEOUT
 from server.serving import Server
+from server.tool_stream import ToolStream
 from server.tools import Function, ToolCall, parse_tools, template_messages
 from engine.tokenizer import ChatTemplateError, render_chat
 
@@ -276,7 +277,7 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}], **usage_field} for c in choices]
 
-    streams = [server.tool_parser.stream(offered) if offered else None for _ in choices]
+    streams = [ToolStream(server.tool_parser, offered) if offered else None for _ in choices]
 
     def chunk(choice: Choice, text: str, start: int) -> dict | None:
         tools, calls = streams[choice.index], []

@@ -14,7 +14,7 @@
   arguments parse and validate; the grammar's fixed parts (markers, keys, a sole function's name) are
   forced tokens, drafted for free. "auto" leaves the output free and parses it; "none" leaves the
   tools out of the prompt.
-- Streamed (ToolStream), content goes out as it comes, held back only while it might be a call's
+- Streamed (server/tool_stream.py), content goes out as it comes, held back only while it might be a call's
   start; a call's first delta carries its id and name, then its arguments follow in fragments as
   the model writes them, joining into the non-streamed arguments (the model's own text).
 
@@ -22,7 +22,6 @@ Pure bookkeeping on text: no engine and no HTTP here.
 """
 from __future__ import annotations
 
-import functools
 import json
 import re
 import uuid
@@ -127,9 +126,6 @@ class ToolParser:
     def grammar(self, functions: list[Function], parallel: bool) -> StructuredOutput:
         """A grammar whose every output is one call (several when parallel) of these functions."""
         raise NotImplementedError
-
-    def stream(self, functions: list[Function]) -> "ToolStream":
-        return ToolStream(self, functions)
 
     @staticmethod
     def _call(payload: Any, functions: list[Function], arguments_key: str) -> ToolCall | None:
@@ -236,6 +232,17 @@ class Llama3JsonParser(ToolParser):
         return StructuredOutput("grammar", f"start: call{more}\ncall: %json{schema}")
 
 
+# A Hermes call's opening, up to its arguments' first character: {"name": "<name>", "arguments":
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def unquote(text: str) -> str | None:
+    try:
+        return json.loads(f'"{text}"')
+    except json.JSONDecodeError:
+        return None
+
+
 PARSER_CLASSES = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
 
 
@@ -261,154 +268,6 @@ def _literal(tokenizer, text: str) -> str:
 
 def template_renders_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
-
-
-# ---- streaming ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CallDelta:
-    """A piece of a streamed call: its first carries the call (id, name) and maybe the start of its
-    arguments; the others carry more of the arguments' text. Concatenated: the call's arguments."""
-    index: int                    # the call's place in the choice's calls
-    arguments: str
-    call: ToolCall | None = None  # on a call's first delta
-
-    def as_openai(self) -> dict[str, Any]:
-        if self.call is None:
-            return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.call.id, "type": "function",
-                "function": {"name": self.call.name, "arguments": self.arguments}}
-
-
-class ToolStream:
-    """One choice's streamed output split into content deltas and call deltas. A Hermes call goes out
-    as soon as its name is known, then its arguments as they come (held back only where they might
-    end); a Llama 3.1 output that may be calls is held until it ends."""
-
-    def __init__(self, parser: ToolParser, functions: list[Function]):
-        self.parser, self.functions = parser, functions
-        self.buffer = ""        # text received and not yet sent
-        self.mode = "start"     # start (nothing decided), content, call (inside a Hermes block), json (Llama 3.1)
-        self.calls: list[ToolCall] = []   # calls whose block has ended
-        self._open: ToolCall | None = None   # the call streaming now (its id and name), in a Hermes block
-        self._args_start = self._sent = 0    # where its arguments start in the block, and how much went out
-
-    @property
-    def num_calls(self) -> int:
-        return len(self.calls) + (self._open is not None)
-
-    def push(self, text: str) -> tuple[str, list[CallDelta]]:
-        self.buffer += text
-        if isinstance(self.parser, HermesParser):
-            return self._hermes(final=False)
-        return self._whole_output(final=False)
-
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        if isinstance(self.parser, HermesParser):
-            return self._hermes(final=True)
-        return self._whole_output(final=True)
-
-    def _hermes(self, final: bool) -> tuple[str, list[CallDelta]]:
-        start = HermesParser.START
-        content, deltas = "", []
-        while self.buffer:
-            if self.mode != "call":
-                at = self.buffer.find(start)
-                if at < 0:   # keep back what may be the start of a marker
-                    keep = 0 if final else _partial_suffix(self.buffer, start)
-                    content, self.buffer = content + self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
-                    break
-                content, self.buffer, self.mode = content + self.buffer[:at], self.buffer[at + len(start):], "call"
-                continue
-            text, closed = self._block(final, deltas)
-            content += text
-            if not closed:
-                break
-        if self.num_calls and not content.strip():   # whitespace around calls is not content
-            content = ""
-        return content, deltas
-
-    def _block(self, final: bool, deltas: list[CallDelta]) -> tuple[str, bool]:
-        """Inside a <tool_call> block (self.buffer): send what can be sent. Returns the content it
-        turned out to be (a block that is no call) and whether the block has ended."""
-        end = HermesParser.END
-        at = self.buffer.find(end)
-        body = self.buffer if at < 0 else self.buffer[:at]
-        if self._open is None and (header := HEADER.match(body)) and _unquote(header[1]) in self._names:
-            self._open = ToolCall(_unquote(header[1]), "", new_call_id())
-            self._args_start, self._sent = header.end(), 0
-            deltas.append(CallDelta(self.num_calls - 1, "", self._open))
-        if at < 0 and not final:   # the arguments so far, but for what may be their end
-            if self._open is not None:
-                held = _partial_suffix(body, end)
-                ready = body[self._args_start:len(body) - held].rstrip().rstrip("}").rstrip()
-                self._send(ready, deltas)
-            return "", False
-        self.buffer, self.mode = ("" if at < 0 else self.buffer[at + len(end):]), "content"
-        call = self.parser.parse_block(body, self.functions)
-        if self._open is None:   # the name came late, or never: the block whole, as a call or as content
-            if call is None:
-                return HermesParser.START + body + ("" if at < 0 else end), True
-            self.calls.append(call)
-            deltas.append(CallDelta(self.num_calls - 1, call.arguments, call))
-            return "", True
-        if call is not None and call.arguments.startswith(self._sent_text(body)):
-            self._send(call.arguments, deltas)   # the rest; a block that broke down stays as it went out
-        self.calls.append(ToolCall(self._open.name, call.arguments if call else self._sent_text(body),
-                                   self._open.id))
-        self._open = None
-        return "", True
-
-    def _send(self, arguments: str, deltas: list[CallDelta]) -> None:
-        if len(arguments) > self._sent:
-            deltas.append(CallDelta(self.num_calls - 1, arguments[self._sent:]))
-            self._sent = len(arguments)
-
-    def _sent_text(self, body: str) -> str:
-        return body[self._args_start:self._args_start + self._sent]
-
-    @functools.cached_property
-    def _names(self) -> set[str]:
-        return {f.name for f in self.functions}
-
-    def _whole_output(self, final: bool) -> tuple[str, list[CallDelta]]:
-        """Llama 3.1: an output that opens with "{" (or the tag) may be calls: held until it ends."""
-        if self.mode == "start":
-            head = self.buffer.lstrip()
-            if not head:
-                return "", []
-            maybe_call = head.startswith("{") or head.startswith(Llama3JsonParser.TAG) or \
-                Llama3JsonParser.TAG.startswith(head)
-            self.mode = "json" if maybe_call else "content"
-        if self.mode == "content":
-            text, self.buffer = self.buffer, ""
-            return text, []
-        if not final:
-            return "", []
-        content, calls = self.parser.extract(self.buffer, self.functions)
-        self.buffer = ""
-        first = len(self.calls)
-        self.calls += calls
-        return content or "", [CallDelta(first + i, call.arguments, call) for i, call in enumerate(calls)]
-
-
-# A Hermes call's opening, up to its arguments' first character: {"name": "<name>", "arguments":
-HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
-
-
-def _unquote(text: str) -> str | None:
-    try:
-        return json.loads(f'"{text}"')
-    except json.JSONDecodeError:
-        return None
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of text that is a proper start of marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 # ---- the conversation, as templates want it ----------------------------------------------------

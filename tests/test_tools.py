@@ -12,6 +12,7 @@ import openai
 import pytest
 from conftest import InProcessServer
 
+from server.tool_stream import ToolStream
 from server.tools import (HermesParser, Llama3JsonParser, choose_parser, parse_tool_choice, parse_tools,
                           template_messages)
 
@@ -103,16 +104,16 @@ def streamed(stream, text: str, size: int) -> tuple[str, list[tuple[str, str]], 
 def test_a_streamed_output_gives_the_same_content_and_calls_at_any_chunking():
     expected_content, expected_calls = HermesParser().extract(HERMES_OUTPUT, FUNCTIONS)
     for size in (1, 2, 3, 7, 11, len(HERMES_OUTPUT)):
-        content, calls, num_deltas = streamed(HermesParser().stream(FUNCTIONS), HERMES_OUTPUT, size)
+        content, calls, num_deltas = streamed(ToolStream(HermesParser(), FUNCTIONS), HERMES_OUTPUT, size)
         assert content.strip() == expected_content, size
         assert calls == [(c.name, c.arguments) for c in expected_calls], size
         if size <= 3:   # the arguments went out as they came, not whole at the block's end
             assert num_deltas > 2 * len(calls), (size, num_deltas)
     # text that only looks like a marker's start is sent once it cannot be one
-    stream = HermesParser().stream(FUNCTIONS)
+    stream = ToolStream(HermesParser(), FUNCTIONS)
     assert stream.push("a <tool") == ("a ", []) and stream.push("box>") == ("<toolbox>", [])
     # a call's name goes out first, its arguments but for what may be their end
-    stream = HermesParser().stream(FUNCTIONS)
+    stream = ToolStream(HermesParser(), FUNCTIONS)
     assert stream.push('<tool_call>\n{"name": "add", "arguments": ') == ("", [])   # where do they start?
     _, [first, opening] = stream.push("{")
     assert (first.index, first.call.name, first.arguments, opening.arguments) == (0, "add", "", "{")
@@ -120,7 +121,7 @@ def test_a_streamed_output_gives_the_same_content_and_calls_at_any_chunking():
     assert [d.arguments for d in stream.push("\n</tool_call>")[1]] == ["}"]
     # a block whose name comes last, or that is no call, is judged whole at its end
     late = '<tool_call>{"arguments": {"a": 1, "b": false}, "name": "add"}</tool_call> and <tool_call>{"x": 1}</tool_call>'
-    content, calls, _ = streamed(HermesParser().stream(FUNCTIONS), late, 4)
+    content, calls, _ = streamed(ToolStream(HermesParser(), FUNCTIONS), late, 4)
     assert calls == [("add", '{"a": 1, "b": false}')] and content == ' and <tool_call>{"x": 1}</tool_call>'
 
 
@@ -132,10 +133,10 @@ def test_llama3_json_calls_and_plain_messages():
     assert json.loads(calls[1].arguments) == {"city": "Lima", "unit": "f"}
     assert parser.extract("It is sunny.", FUNCTIONS) == ("It is sunny.", [])
     assert parser.extract('{"name": "add", "parameters": {"a": 1}} and more', FUNCTIONS)[1] == []
-    stream = parser.stream(FUNCTIONS)
+    stream = ToolStream(parser, FUNCTIONS)
     assert stream.push('{"name": "add", ') == ("", []) and stream.push('"parameters": {"a": 3, "b": true}}') == ("", [])
     assert [(d.index, d.call.name, d.arguments) for d in stream.finish()[1]] == [(0, "add", '{"a": 3, "b": true}')]
-    prose = parser.stream(FUNCTIONS)
+    prose = ToolStream(parser, FUNCTIONS)
     assert prose.push("Hello") == ("Hello", []) and prose.push(" there") == (" there", [])
 
 
