@@ -60,8 +60,8 @@ class ToolStream:
             if self.mode != "call":
                 at = self.buffer.find(start)
                 if at < 0:   # keep back what may be the start of a marker
-                    keep = 0 if final else _partial_suffix(self.buffer, start)
-                    content, self.buffer = content + self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                    cut = len(self.buffer) - (0 if final else _partial_suffix(self.buffer, start))
+                    content, self.buffer = content + self.buffer[:cut], self.buffer[cut:]
                     break
                 content, self.buffer, self.mode = content + self.buffer[:at], self.buffer[at + len(start):], "call"
                 continue

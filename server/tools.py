@@ -287,7 +287,8 @@ def template_messages(messages: list[dict[str, Any]], functions: list[Function] 
             text = "\n".join(([message["content"]] if message.get("content") else []) + blocks)
             out.append({"role": "assistant", "content": text})
         elif message.get("role") == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"})
+            result = message.get("content") or ""
+            out.append({"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"})
         else:
             out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
     if functions:
