@@ -262,14 +262,8 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
 
     if not body.stream:
         await server.run(generation, request)
-        out = []
-        for c in choices:
-            content, calls = server.tool_parser.extract(c.text, offered) if offered else (c.text, [])
-            calls = calls if body.parallel_tool_calls else calls[:1]
-            message = {"role": "assistant", "content": content,
-                       **({"tool_calls": [call.as_openai() for call in calls]} if calls else {})}
-            out.append({"index": c.index, "message": message, "logprobs": logprobs_of(c, 0),
-                        "finish_reason": _finish_reason(c.finish_reason, calls)})
+        out = [{**_chat_message(server, c, offered, body.parallel_tool_calls), "logprobs": logprobs_of(c, 0)}
+               for c in choices]
         return {**head, "choices": out, **server.totals(generation, len(prompt))}
 
     head = {**head, "object": "chat.completion.chunk"}
@@ -297,6 +291,15 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
 
     last = (lambda: {**head, "choices": [], **server.totals(generation, len(prompt))}) if body.include_usage else None
     return server.stream(generation, first, chunk, last)
+
+
+def _chat_message(server: Server, choice: Choice, offered: list[Function], parallel: bool) -> dict:
+    """A finished choice's message (its tool calls parsed out when tools were offered) and finish reason."""
+    content, calls = server.tool_parser.extract(choice.text, offered) if offered else (choice.text, [])
+    calls = calls if parallel else calls[:1]
+    message = {"role": "assistant", "content": content,
+               **({"tool_calls": [call.as_openai() for call in calls]} if calls else {})}
+    return {"index": choice.index, "message": message, "finish_reason": _finish_reason(choice.finish_reason, calls)}
 
 
 def _tool_grammar(server: Server, body: p.ChatCompletionRequest, params, functions: list[Function],
