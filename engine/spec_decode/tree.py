@@ -1,0 +1,127 @@
+"""Draft trees and their lossless verification (issue 52's first piece: not yet wired into the engine).
+
+A draft tree holds several continuations of a request at once: node i is a token whose parent is
+node parents[i] (-1: the request's last token, the root). Verified in one target pass, each node
+sees the context and its ancestors (ancestor_mask), at position start + depth; the target's
+distribution after the root and after each node comes back as rows 0 and 1 + i.
+
+Verification walks from the root. At a node with children, the target's token is drawn among
+them by multi-candidate rejection sampling (SpecInfer's, applied to one node's children in turn):
+
+- a child drawn from a real distribution q (a sampled draft): accept it with probability
+  min(1, p(x) / q(x)); on rejection p becomes normalize(max(0, p - q)) for the next child;
+- a deterministic child (n-gram and suffix continuations, a draft model's top-k: q one-hot at x):
+  accept with probability p(x); on rejection p loses x (normalize(p with x zeroed)).
+
+The first accepted child is emitted and the walk goes on from its row; when every child is rejected
+(or at a leaf) one token is drawn from the p that is left, and the step ends. Each emitted token is
+then distributed exactly as p given the tokens before it: the output is the target's, whatever the
+tree. Greedy requests accept the child equal to argmax p; coupled (seeded) ones the child equal to
+the target's own draw argmax(p / E) at that position, so their output stays independent of the
+batch and the tree. Bookkeeping and small [vocab] vectors only: the pass that produces the rows is
+the engine's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)   # -1: a child of the root; else an earlier node
+    q: list[Tensor | None] = field(default_factory=list)   # the distribution each node was drawn from (None: deterministic)
+
+    def add(self, token: int, parent: int = -1, q: Tensor | None = None) -> int:
+        """A node drawn from q (children of one node drawn independently, duplicates kept: dropping a
+        repeat would change the residuals), or deterministic (q None: distinct among its siblings)."""
+        if not -1 <= parent < len(self.tokens):
+            raise ValueError(f"parent {parent} is not a node of this tree ({len(self.tokens)} nodes)")
+        if q is None and any(t == token and p == parent and self.q[i] is None
+                             for i, (t, p) in enumerate(zip(self.tokens, self.parents))):
+            raise ValueError(f"token {token} is already a deterministic child of node {parent}")
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.q.append(q)
+        return len(self.tokens) - 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self, node: int) -> list[int]:
+        """The children of a node (-1: the root), in the order they were added: the order they are judged."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def depths(self) -> list[int]:
+        """1 for the root's children: the position offset of each node after the last token."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node`."""
+        nodes = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
+    def ancestor_mask(self) -> Tensor:
+        """bool [n, n]: node i attends to node j when j is i or one of its ancestors (and to the whole
+        context, which is not in this mask)."""
+        mask = torch.zeros(len(self), len(self), dtype=torch.bool)
+        for i in range(len(self)):
+            mask[i, self.path(i)] = True
+        return mask
+
+
+def verify_tree(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None = None,
+                greedy: bool = False, coupled: list[Tensor] | None = None) -> tuple[list[int], list[int]]:
+    """Walk the tree against the target. target_probs: [1 + n, vocab], row 0 after the root, row 1 + i
+    after node i (warped: what plain decoding samples from). coupled: for seeded requests, the noise
+    E of each output position from here (the target's draw at depth d is argmax(p / E_d)).
+    Returns the emitted tokens (the accepted path, then one more) and the accepted nodes."""
+    tokens, accepted, node = [], [], -1
+    while True:
+        p = target_probs[node + 1].float()
+        children = tree.children(node)
+        if greedy or coupled is not None:
+            choice = _deterministic_choice(p, coupled[len(tokens)] if coupled is not None else None)
+            child = next((c for c in children if tree.tokens[c] == choice), None)
+        else:
+            child, choice = _sample_among(tree, children, p, generator)
+        if child is None:
+            return tokens + [choice], accepted
+        tokens.append(tree.tokens[child])
+        accepted.append(child)
+        node = child
+
+
+def _deterministic_choice(p: Tensor, noise: Tensor | None) -> int:
+    return int(p.argmax()) if noise is None else int((p / noise).argmax())
+
+
+def _sample_among(tree: DraftTree, children: list[int], p: Tensor, generator) -> tuple[int | None, int]:
+    """(the accepted child, its token), or (None, a token drawn from what is left of p)."""
+    for child in children:
+        token, q = tree.tokens[child], tree.q[child]
+        q_token = 1.0 if q is None else float(q[token])
+        if q_token > 0 and float(torch.rand((), generator=generator)) * q_token < float(p[token]):
+            return child, token
+        p = _residual(p, token, q)
+    return None, int(torch.multinomial(p, 1, generator=generator))
+
+
+def _residual(p: Tensor, token: int, q: Tensor | None) -> Tensor:
+    """What a rejected candidate leaves of p: max(0, p - q), normalised (q one-hot at token if None)."""
+    if q is None:
+        rest = p.clone()
+        rest[token] = 0.0
+    else:
+        rest = (p - q.float()).clamp_min(0.0)
+    total = rest.sum()
+    return rest / total if total > 0 else p   # nothing left: p and q agree, any draw from p is exact

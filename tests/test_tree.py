@@ -1,0 +1,136 @@
+"""Draft trees (engine/spec_decode/tree.py): their shape (depths, paths, the ancestor mask tree
+attention needs), and lossless verification: greedy and coupled walks give plain decoding's tokens
+whatever the tree, and sampled walks follow the target's distribution (chi-square of the first two
+tokens over branching trees of deterministic and sampled children, duplicates included), with
+negative controls that must fail. A synthetic target over a small vocabulary: no model."""
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import pooled_chisquare
+
+import engine.spec_decode.tree as tree_module
+from engine.spec_decode.tree import DraftTree, verify_tree
+
+VOCAB = 6
+
+
+def target(prefix: tuple[int, ...]) -> torch.Tensor:
+    """The synthetic target's p after a prefix: a fixed random distribution per prefix."""
+    generator = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return torch.softmax(torch.randn(VOCAB, generator=generator) * 1.5, dim=0)
+
+
+def draft(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A draft close to the target but not equal: acceptance high, rejections frequent enough."""
+    generator = torch.Generator().manual_seed((hash(prefix) + 7) % (2**31))
+    return torch.softmax(torch.log(target(prefix)) + torch.randn(VOCAB, generator=generator) * 0.8, dim=0)
+
+
+def rows(tree: DraftTree, context: tuple[int, ...]) -> torch.Tensor:
+    """What the target pass gives: p after the root, then after each node (its path as the prefix)."""
+    prefixes = [context] + [context + tuple(tree.tokens[n] for n in tree.path(i)) for i in range(len(tree))]
+    return torch.stack([target(prefix) for prefix in prefixes])
+
+
+def test_tree_shape():
+    tree = DraftTree()
+    a, b = tree.add(3), tree.add(1)
+    a1, a2, b1 = tree.add(4, a), tree.add(0, a), tree.add(2, b)
+    a11 = tree.add(5, a1)
+    assert tree.children(-1) == [a, b] and tree.children(a) == [a1, a2] and tree.children(a11) == []
+    assert tree.depths() == [1, 1, 2, 2, 2, 3] and tree.path(a11) == [a, a1, a11]
+    mask = tree.ancestor_mask()
+    assert mask[a11].tolist() == [True, False, True, False, False, True]
+    assert mask[b1].tolist() == [False, True, False, False, True, False]
+    with pytest.raises(ValueError, match="not a node"):
+        tree.add(1, parent=9)
+    with pytest.raises(ValueError, match="already a deterministic child"):
+        tree.add(4, parent=a)
+    tree.add(4, parent=a, q=torch.full((VOCAB,), 1 / VOCAB))   # a sampled repeat is kept
+
+
+def random_tree(rng: random.Random, context, generator, sampled: bool) -> DraftTree:
+    """Up to 3 children a node, depth up to 3: deterministic top tokens of the draft and (sampled)
+    children drawn from the draft's q, duplicates and all."""
+    tree = DraftTree()
+    frontier = [-1]
+    for _ in range(3):
+        nxt = []
+        for node in frontier:
+            prefix = context + (tuple(tree.tokens[n] for n in tree.path(node)) if node >= 0 else ())
+            q = draft(prefix)
+            for token in q.argsort(descending=True)[:rng.randint(0, 2)].tolist():
+                nxt.append(tree.add(token, node))
+            for _ in range(rng.randint(0, 2) if sampled else 0):
+                nxt.append(tree.add(int(torch.multinomial(q, 1, generator=generator)), node, q))
+        frontier = nxt
+    return tree
+
+
+@pytest.mark.parametrize("coupled", [False, True])
+def test_greedy_and_coupled_walks_give_plain_decodings_tokens(coupled):
+    rng, generator = random.Random(0), torch.Generator().manual_seed(0)
+    for trial in range(200):
+        context = (trial % 5, trial % 3)
+        tree = random_tree(rng, context, generator, sampled=False)
+        noise = [torch.empty(VOCAB).exponential_(generator=generator) for _ in range(5)] if coupled else None
+        emitted, accepted = verify_tree(tree, rows(tree, context), greedy=not coupled, coupled=noise)
+        plain, prefix = [], context
+        for position in range(len(emitted)):   # plain decoding, token by token
+            p = target(prefix)
+            token = int(p.argmax()) if not coupled else int((p / noise[position]).argmax())
+            plain.append(token)
+            prefix += (token,)
+        assert emitted == plain and [tree.tokens[n] for n in accepted] == emitted[:-1]
+        assert accepted == tree.path(accepted[-1]) if accepted else True
+
+
+def two_token_counts(trials: int, seed: int) -> np.ndarray:
+    """Counts of the first two output tokens: a tree step, then plain sampling where it emitted one."""
+    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    counts = np.zeros((VOCAB, VOCAB))
+    context = (1, 2)
+    for _ in range(trials):
+        tree = random_tree(rng, context, generator, sampled=True)
+        emitted, _ = verify_tree(tree, rows(tree, context), generator)
+        if len(emitted) < 2:
+            emitted.append(int(torch.multinomial(target(context + (emitted[0],)), 1, generator=generator)))
+        counts[emitted[0], emitted[1]] += 1
+    return counts
+
+
+def exact_two_tokens() -> np.ndarray:
+    context = (1, 2)
+    first = target(context)
+    return np.array([[float(first[a] * target(context + (a,))[b]) for b in range(VOCAB)] for a in range(VOCAB)])
+
+
+@pytest.mark.slow   # chi-square: thousands of samples
+def test_sampled_walks_follow_the_target():
+    counts, exact = two_token_counts(12000, seed=1), exact_two_tokens()
+    assert pooled_chisquare(counts, exact) > 1e-3
+    assert pooled_chisquare(counts.sum(axis=1), exact.sum(axis=1)) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", ["no_residual", "drop_repeats"])
+def test_the_chi_square_catches_a_wrong_walk(monkeypatch, broken):
+    """Controls: a rejected candidate that leaves p as it was (the residual skipped), and sampled
+    children whose repeats are dropped (a repeat's residual step skipped): both must fail."""
+    if broken == "no_residual":
+        monkeypatch.setattr(tree_module, "_residual", lambda p, token, q: p)
+    else:
+        real_add = DraftTree.add
+
+        def add(self, token, parent=-1, q=None):
+            for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+                if t == token and p == parent:
+                    return i   # the repeat is not added
+            return real_add(self, token, parent, q)
+
+        monkeypatch.setattr(DraftTree, "add", add)
+    counts, exact = two_token_counts(12000, seed=2), exact_two_tokens()
+    assert pooled_chisquare(counts, exact) < 1e-3
