@@ -179,6 +179,23 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
     @classmethod
+    def build_tree(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                   block_size: int, device: torch.device, tree_masks: list[np.ndarray | None],
+                   sliding_window: int | None = None) -> "AttentionMetadata":
+        """A pass in which some sequences feed a draft tree: tree_masks[b] (bool [q_len, q_len] or None:
+        causal) says which of its fed tokens each fed token sees; every fed token sees the whole
+        context before them. The padded torch path, with one mask (no kernel, flash-attn or window)."""
+        if sliding_window is not None and max(seq_lens) > sliding_window:
+            raise ValueError("tree verification does not support sliding-window attention yet")
+        meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, False, None, "tree")
+        for b, (tree, q_len, s_len) in enumerate(zip(tree_masks, query_lens, seq_lens)):
+            if tree is not None:
+                if tree.shape != (q_len, q_len) or not tree.diagonal().all():
+                    raise ValueError(f"tree mask {b}: a [{q_len}, {q_len}] mask in which each token sees itself")
+                meta.attn_mask[b, 0, :q_len, s_len - q_len:s_len] = torch.from_numpy(tree).to(device)
+        return meta
+
+    @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device, use_flash: bool = False,
               sliding_window: int | None = None, kernel: bool = False) -> "AttentionMetadata":
@@ -232,6 +249,10 @@ class AttentionMetadata:
         prefills = [[i] for i in np.flatnonzero(~short)] if path == "sequences" else []
         if use_flash or path == "kernel":
             pass
+        elif path == "tree":   # one padded mask, always (build_tree writes the trees into it)
+            block_ids = torch.from_numpy(table.reshape(-1)).to(device)
+            pad_index = torch.from_numpy(seq_idx * max_q + (np.arange(len(seq_idx)) - q_start[seq_idx])).to(device)
+            mask = _causal_paged_mask(q_lens, s_lens, max_q, int(s_lens.max()), device)
         elif path == "sequences" and short.all():
             plan = SequencePlan.build(table, q_lens, s_lens, q_start, block_size, device, window)
         elif len(prefills) + short.any() > 1:

@@ -25,6 +25,9 @@ class ForwardItem:
     start_pos: int           # absolute position of token_ids[0]
     block_table: list[int]
     num_logits: int          # logits wanted for the last num_logits fed tokens (0: none)
+    # A draft tree: which fed tokens each fed token sees (bool [n, n]; None: causal). A token's position
+    # is start_pos + (the fed tokens it sees) - 1; its KV slot stays start_pos + its index.
+    tree_mask: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -68,16 +71,21 @@ class ModelRunner:
         """Logits [sum(num_logits), vocab] float32, in item order; with return_hidden, also the
         hidden states of those rows. features [T, hidden]: one per fed token, for models that take
         them (EagleHead)."""
-        if features is None and self.decode_grid is not None and self.decode_grid.fits(items):
+        trees = any(item.tree_mask is not None for item in items)
+        if not trees and features is None and self.decode_grid is not None and self.decode_grid.fits(items):
             return self._grid_forward(items, return_hidden)
         query_lens = [len(item.token_ids) for item in items]
         seq_lens = [item.start_pos + n for item, n in zip(items, query_lens)]
-        meta = AttentionMetadata.build(query_lens, seq_lens, [item.block_table for item in items],
-                                       self.block_size, self.device, self.use_flash, self.model.sliding_window,
-                                       kernel=self.fused_ops)
+        tables = [item.block_table for item in items]
+        if trees:
+            meta = AttentionMetadata.build_tree(query_lens, seq_lens, tables, self.block_size, self.device,
+                                                [item.tree_mask for item in items], self.model.sliding_window)
+        else:
+            meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, self.use_flash,
+                                           self.model.sliding_window, kernel=self.fused_ops)
         input_ids = torch.tensor(np.concatenate([item.token_ids for item in items]), dtype=torch.long, device=self.device)
-        positions = torch.from_numpy(np.concatenate(
-            [np.arange(item.start_pos, item.start_pos + n) for item, n in zip(items, query_lens)])).to(self.device)
+        positions = torch.from_numpy(np.concatenate([_positions(item, n) for item, n in zip(items, query_lens)])
+                                     ).to(self.device)
         extra = {} if features is None else {"features": features}
         hidden = self.model(input_ids, positions, meta, self.kv_caches, **extra)
         if self.features is not None:
@@ -109,3 +117,11 @@ class ModelRunner:
                                 * self.block_size + np.arange(start, end) % self.block_size
                                 for table, start, end in spans])
         return self.features[torch.from_numpy(slots).to(self.device)]
+
+
+def _positions(item: ForwardItem, num_tokens: int) -> np.ndarray:
+    """Each fed token's position: consecutive, or in a tree its depth (the fed tokens it sees, less one)."""
+    if item.tree_mask is None:
+        return np.arange(item.start_pos, item.start_pos + num_tokens)
+    return item.start_pos + item.tree_mask.sum(axis=1) - 1
+

@@ -134,3 +134,39 @@ def test_the_chi_square_catches_a_wrong_walk(monkeypatch, broken):
         monkeypatch.setattr(DraftTree, "add", add)
     counts, exact = two_token_counts(12000, seed=2), exact_two_tokens()
     assert pooled_chisquare(counts, exact) < 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, arch):
+    """Tree attention (ForwardItem.tree_mask, the padded torch path): one pass over a branching tree
+    gives every node the logits of a plain pass over the context and that node's path, beside a
+    chain in the same pass."""
+    from helpers import make_tiny_checkpoint
+
+    from engine import LLM
+    from engine.model_runner import ForwardItem
+
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=5)
+    runner = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8,
+                 skip_tokenizer_init=True).engine.target
+    context, table = list(range(20, 39)), [3, 4, 5, 6]
+    runner.forward([ForwardItem(context[:-1], 0, table, 1)])
+    tree = DraftTree()
+    a, b = tree.add(7), tree.add(9)
+    a1, a2, b1 = tree.add(11, a), tree.add(12, a), tree.add(13, b)
+    tree.add(14, a1)
+    fed = [context[-1]] + tree.tokens
+    mask = np.zeros((len(fed), len(fed)), dtype=bool)
+    mask[:, 0] = True
+    mask[1:, 1:] = tree.ancestor_mask().numpy()
+    chain = ForwardItem([5, 6, 7], 4, [9], 3)   # another sequence in the same pass, causal
+    runner.forward([ForwardItem([1, 2, 3, 4], 0, [9], 0)])
+    logits = runner.forward([ForwardItem(fed, len(context) - 1, table, len(fed), mask), chain])
+    expected_chain = logits[len(fed):]
+    for row, node in enumerate([-1] + list(range(len(tree)))):
+        tokens = context + ([tree.tokens[n] for n in tree.path(node)] if node >= 0 else [])
+        reference = runner.forward([ForwardItem(tokens, 0, [20, 21, 22, 23, 24], 1)])[0]
+        torch.testing.assert_close(logits[row], reference, rtol=1e-4, atol=1e-4)
+    runner.forward([ForwardItem([1, 2, 3, 4], 0, [10], 0)])
+    torch.testing.assert_close(runner.forward([ForwardItem([5, 6, 7], 4, [10], 3)]), expected_chain,
+                               rtol=1e-4, atol=1e-4)

@@ -1,9 +1,10 @@
-"""Draft trees and their lossless verification (issue 52's first piece: not yet wired into the engine).
+"""Draft trees and their lossless verification (issue 52; not yet wired into the engine's step).
 
 A draft tree holds several continuations of a request at once: node i is a token whose parent is
-node parents[i] (-1: the request's last token, the root). Verified in one target pass, each node
-sees the context and its ancestors (ancestor_mask), at position start + depth; the target's
-distribution after the root and after each node comes back as rows 0 and 1 + i.
+node parents[i] (-1: the request's last token, the root). Verified in one target pass (a
+ForwardItem of the root and the nodes whose tree_mask is the ancestor mask, the root seen by all),
+each node sees the context and its ancestors, at position start + depth; the target's distribution
+after the root and after each node comes back as rows 0 and 1 + i.
 
 Verification walks from the root. At a node with children, the target's token is drawn among
 them by multi-candidate rejection sampling (SpecInfer's, applied to one node's children in turn):
