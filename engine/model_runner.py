@@ -111,6 +111,24 @@ class ModelRunner:
             hidden.new_zeros(0, self.model.vocab_size, dtype=torch.float32)
         return (logits, hidden) if return_hidden else logits
 
+    @torch.inference_mode()
+    def move_kv(self, block_table: list[int], sources: list[int], destinations: list[int]) -> None:
+        """Copy the keys, values (and kept features) at logical indices `sources` of a sequence to
+        `destinations`: after a tree pass, the accepted path's nodes to the consecutive positions
+        the next step reads (the rest of the tree is left to be overwritten)."""
+        src, dst = (torch.from_numpy(self._slots(block_table, np.asarray(i, dtype=np.int64))).to(self.device)
+                    for i in (sources, destinations))
+        for cache in self.kv_caches:
+            for part in cache:   # keys, values: [blocks, block_size, heads, dim] -> [slots, heads, dim]
+                flat = part.view(-1, *part.shape[2:])
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+        if self.features is not None:
+            self.features.index_copy_(0, dst, self.features.index_select(0, src))
+
+    def _slots(self, block_table: list[int], indices: np.ndarray) -> np.ndarray:
+        return np.asarray(block_table, dtype=np.int64)[indices // self.block_size] * self.block_size + \
+            indices % self.block_size
+
     def read_features(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """The kept features of positions start..end-1 of each (block_table, start, end), concatenated."""
         slots = np.concatenate([np.asarray(table, dtype=np.int64)[np.arange(start, end) // self.block_size]

@@ -170,3 +170,39 @@ def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, arch):
     runner.forward([ForwardItem([1, 2, 3, 4], 0, [10], 0)])
     torch.testing.assert_close(runner.forward([ForwardItem([5, 6, 7], 4, [10], 3)]), expected_chain,
                                rtol=1e-4, atol=1e-4)
+
+
+def test_the_accepted_paths_kv_moves_where_the_next_step_reads_it(tmp_path):
+    """After a tree pass, the accepted path's keys and values are copied to consecutive positions
+    (ModelRunner.move_kv): the next decode step then gives the logits of a plain pass over the
+    context, the path and the next token."""
+    from helpers import make_tiny_checkpoint
+
+    from engine import LLM
+    from engine.model_runner import ForwardItem
+
+    runner = LLM(str(make_tiny_checkpoint(tmp_path / "t", arch="llama", seed=6)), dtype="float32", device="cpu",
+                 num_kv_blocks=64, block_size=4, skip_tokenizer_init=True).engine.target
+    context, table = list(range(30, 43)), [3, 4, 5, 6, 7, 8]
+    runner.forward([ForwardItem(context[:-1], 0, table, 1)])
+    tree = DraftTree()
+    a, b = tree.add(7), tree.add(9)
+    a1, b1 = tree.add(11, a), tree.add(13, b)
+    b11 = tree.add(15, b1)
+    fed = [context[-1]] + tree.tokens
+    mask = np.zeros((len(fed), len(fed)), dtype=bool)
+    mask[:, 0] = True
+    mask[1:, 1:] = tree.ancestor_mask().numpy()
+    start = len(context) - 1
+    runner.forward([ForwardItem(fed, start, table, len(fed), mask)])
+    accepted = tree.path(b11)   # the second branch: its nodes sit at fed indices 2, 4, 5
+    runner.move_kv(table, [start + 1 + n for n in accepted], [start + 1 + d for d in range(len(accepted))])
+    path = [tree.tokens[n] for n in accepted]
+    following = runner.forward([ForwardItem([21], len(context) + len(path), table, 1)])[0]
+    reference = runner.forward([ForwardItem(context + path + [21], 0, [20, 21, 22, 23, 24, 25], 1)])[0]
+    torch.testing.assert_close(following, reference, rtol=1e-4, atol=1e-4)
+    other = [30, 31, 32, 33, 34, 35]   # the same without the move: the next step reads the wrong nodes
+    runner.forward([ForwardItem(context[:-1], 0, other, 1)])
+    runner.forward([ForwardItem(fed, start, other, len(fed), mask)])
+    unmoved = runner.forward([ForwardItem([21], len(context) + len(path), other, 1)])[0]
+    assert not torch.allclose(unmoved, reference, rtol=1e-4, atol=1e-4)
