@@ -45,6 +45,21 @@ def test_longest_match_and_frequencies():
     assert longer.score == 4
 
 
+def test_continuations_as_a_draft_tree():
+    """lookup_tree (issue 52): every continuation of the longest matches, as branches, best first by
+    the share of occurrences that agree with each node's path; min_prob and max_nodes bound it."""
+    index = index_of([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 7], [8, 2, 3, 9])
+    tree, probs = index.lookup_tree([0, 1, 2, 3], max_nodes=16, max_match=8, min_prob=0.2)
+    nodes = {tuple(tree.tokens[n] for n in tree.path(i)): p for i, p in enumerate(probs)}
+    assert nodes == pytest.approx({(4,): 2 / 3, (7,): 1 / 3, (4, 5): 1 / 3, (4, 6): 1 / 3})   # 9 follows "8 2 3"
+    assert tree.children(-1) == [0, 1]   # the commoner continuation first: the order verification judges
+    small, _ = index.lookup_tree([0, 1, 2, 3], max_nodes=2, max_match=8, min_prob=0.2)
+    assert small.tokens == [4, 7]
+    sure, _ = index.lookup_tree([0, 1, 2, 3], max_nodes=16, max_match=8, min_prob=0.5)
+    assert sure.tokens == [4]
+    assert len(index.lookup_tree([5, 5], max_nodes=16, max_match=8, min_prob=0.0)[0]) == 0   # no match
+
+
 def test_min_prob_cuts_the_walk():
     index = index_of([1, 2, 3, 0, 1, 2, 4, 0, 1, 2, 5, 0])
     assert index.lookup([1, 2], k=4, max_match=8, min_prob=0.5).token_ids == []

@@ -26,12 +26,14 @@ Bookkeeping only: no tensors here.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
 
 from engine.request import Request
 from engine.spec_decode.base import DraftJob, Proposal
+from engine.spec_decode.tree import DraftTree
 
 MAX_CANDIDATES = 64   # newest occurrences kept per q-gram: bounds lookups on common q-grams, and memory
 
@@ -128,19 +130,50 @@ class SuffixIndex:
         index's open document, its own end has none)."""
         if k <= 0 or not context:
             return NO_DRAFT
+        kept, longest = self._longest_matches(context, max_match)
+        if not kept:
+            return NO_DRAFT
+        if spec_factor is not None:
+            k = min(k, max(1, math.ceil(spec_factor * longest)))
+        return self._follow(kept, longest, k, min_prob)
+
+    def lookup_tree(self, context: list[int], max_nodes: int, max_match: int, min_prob: float
+                    ) -> tuple[DraftTree, list[float]]:
+        """The continuations of the longest matches as a draft tree (issue 52: not yet used by the
+        engine): expanded best first by the share of occurrences that agree with a node's path, up to
+        max_nodes nodes and down to min_prob. Returns the tree and each node's path probability."""
+        tree, probs = DraftTree(), []
+        kept, _ = self._longest_matches(context, max_match) if context and max_nodes > 0 else ([], 0)
+        frontier = [(-1.0, -1, kept, 0)] if kept else []   # (-path probability, node, occurrences, depth)
+        ends = {s: self.document_end(s - 1) for s in kept}
+        while frontier and len(tree) < max_nodes:
+            neg_p, node, starts, depth = heapq.heappop(frontier)
+            groups: dict[int, list[int]] = {}
+            for s in starts:
+                if s + depth < ends[s]:
+                    groups.setdefault(self.tokens[s + depth - self.base], []).append(s)
+            for token, agreeing in sorted(groups.items(), key=lambda item: -len(item[1])):
+                p = -neg_p * len(agreeing) / len(starts)
+                if p < min_prob or len(tree) >= max_nodes:
+                    break
+                child = tree.add(token, node)
+                probs.append(p)
+                heapq.heappush(frontier, (-p, child, agreeing, depth + 1))
+        return tree, probs
+
+    def _longest_matches(self, context: list[int], max_match: int) -> tuple[list[int], int]:
+        """Where the continuations of the longest occurrences of context's suffix start (each with a
+        token after it), and the match length."""
         candidates, q = [], min(self.max_q, len(context))
         while q >= 1 and not candidates:
             positions = self.ends.get(tuple(context[-q:]), ())
             candidates = [p for p in reversed(positions) if self.document_end(p) > p + 1]   # newest first
             q -= 1
         if not candidates:
-            return NO_DRAFT
+            return [], 0
         lengths = [self._match_length(context, p, max_match) for p in candidates]
         longest = max(lengths)
-        kept = [p + 1 for p, n in zip(candidates, lengths) if n == longest]   # where each continuation starts
-        if spec_factor is not None:
-            k = min(k, max(1, math.ceil(spec_factor * longest)))
-        return self._follow(kept, longest, k, min_prob)
+        return [p + 1 for p, n in zip(candidates, lengths) if n == longest], longest
 
     def _match_length(self, context: list[int], position: int, max_match: int) -> int:
         """How many tokens of context's suffix equal the stream's tokens ending at position (same document)."""
