@@ -449,3 +449,24 @@ def test_greedy_draft_choice_matches_the_sampler():
     assert tokens == expected.tolist() and tokens[2] == 7
     softmax = logits.float().softmax(dim=-1)
     assert own == pytest.approx(softmax[torch.arange(6), expected].tolist(), rel=1e-5)
+
+
+def test_ngram_tree_holds_the_distinct_continuations_of_several_matches():
+    """ngram_tree (issue 52): the latest matches of the longest suffix, their continuations merged
+    where they agree, the newest first; max_branches bounds the parting continuations."""
+    from engine.spec_decode.ngram import ngram_lookup, ngram_tree
+
+    tokens = np.asarray([5, 6, 1, 2, 9, 5, 6, 1, 3, 9, 5, 6, 1, 2, 8, 5, 6])
+    tree = ngram_tree(tokens, 1, 3, depth=3, max_branches=4)
+    paths = {tuple(tree.tokens[n] for n in tree.path(i)) for i in range(len(tree)) if not tree.children(i)}
+    assert paths == {(1, 2, 8), (1, 3, 9), (1, 2, 9)}
+    node, first = -1, []   # the first child all the way down: the newest match, what a chain drafts
+    while tree.children(node):
+        node = tree.children(node)[0]
+        first.append(tree.tokens[node])
+    assert first == ngram_lookup(tokens, 1, 3, 3) == [1, 2, 8]
+    assert len(tree) == 6   # 1, then 2 and 3, then 8, 9 and 9
+    narrow = ngram_tree(tokens, 1, 3, depth=3, max_branches=1)
+    assert narrow.tokens == ngram_lookup(tokens, 1, 3, 3)   # one branch: the chain n-gram lookup drafts
+    assert len(ngram_tree(np.asarray([1, 2, 3]), 1, 3, depth=3, max_branches=4)) == 0
+

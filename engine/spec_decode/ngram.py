@@ -6,6 +6,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
 from engine.spec_decode.base import DraftJob, Proposal
+from engine.spec_decode.tree import DraftTree
 
 
 def ngram_lookup(token_ids: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> list[int]:
@@ -20,6 +21,38 @@ def ngram_lookup(token_ids: np.ndarray, ngram_min: int, ngram_max: int, k: int) 
             start = int(hits[-1]) + n   # most recent occurrence: repetition tends to continue
             return token_ids[start:start + k].tolist()
     return []
+
+
+def ngram_tree(token_ids: np.ndarray, ngram_min: int, ngram_max: int, depth: int, max_branches: int) -> DraftTree:
+    """The distinct continuations of the latest occurrences of the longest matching suffix (as
+    ngram_lookup matches it), up to depth tokens each, merged into a draft tree (issue 52: not yet
+    used by the engine): the newest occurrence's continuation first, then up to max_branches - 1
+    others that part from it."""
+    tree = DraftTree()
+    num_tokens = len(token_ids)
+    for n in range(min(ngram_max, num_tokens - 1), ngram_min - 1, -1):
+        windows = sliding_window_view(token_ids[:num_tokens - 1], n)
+        hits = np.flatnonzero((windows == token_ids[num_tokens - n:]).all(axis=1))
+        if not len(hits):
+            continue
+        branches = 0
+        for start in (int(h) + n for h in hits[::-1]):   # newest first
+            branches += _merge(tree, token_ids[start:start + depth].tolist())
+            if branches >= max_branches:
+                break
+        return tree
+    return tree
+
+
+def _merge(tree: DraftTree, tokens: list[int]) -> bool:
+    """Add a continuation to the tree along the nodes it shares; whether it made a new branch."""
+    node, new = -1, False
+    for token in tokens:
+        child = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+        if child is None:
+            child, new = tree.add(token, node), True
+        node = child
+    return new
 
 
 class NgramIndex:
