@@ -126,14 +126,13 @@ class ModelRunner:
             self.features.index_copy_(0, dst, self.features.index_select(0, src))
 
     def _slots(self, block_table: list[int], indices: np.ndarray) -> np.ndarray:
+        """Cache slots of a sequence's logical indices, through its block table."""
         return np.asarray(block_table, dtype=np.int64)[indices // self.block_size] * self.block_size + \
             indices % self.block_size
 
     def read_features(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """The kept features of positions start..end-1 of each (block_table, start, end), concatenated."""
-        slots = np.concatenate([np.asarray(table, dtype=np.int64)[np.arange(start, end) // self.block_size]
-                                * self.block_size + np.arange(start, end) % self.block_size
-                                for table, start, end in spans])
+        slots = np.concatenate([self._slots(table, np.arange(start, end)) for table, start, end in spans])
         return self.features[torch.from_numpy(slots).to(self.device)]
 
 

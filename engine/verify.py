@@ -17,6 +17,7 @@ from engine.sampler import SamplingTensors, apply_penalties, compute_logprobs, e
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.base import Proposal
 from engine.spec_decode.rejection import rejection_sample
+from engine.structured import mask_logits
 
 
 @dataclass
@@ -48,11 +49,11 @@ def verify(target: ModelRunner, scheduled: list[ScheduledRequest], proposal: Pro
 
 
 def _mask(logits: torch.Tensor, sample_rows: dict[int, list[int]], masks: dict[int, torch.Tensor]) -> None:
-    """Tokens a grammar forbids get no probability at the request's emitting rows."""
-    with torch.inference_mode():   # the forward's output is an inference tensor: updated in place
-        for i, allowed in masks.items():
-            rows = torch.tensor(sample_rows[i], dtype=torch.long, device=logits.device)
-            logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+    """Tokens a grammar forbids get no probability at the request's emitting rows (consecutive rows:
+    masked in place through a view)."""
+    for i, allowed in masks.items():
+        rows = sample_rows[i]
+        mask_logits(logits[rows[0]:rows[-1] + 1], allowed)
 
 
 def _forward_items(scheduled, proposal):

@@ -30,7 +30,7 @@ from server.middleware import GuardMiddleware
 from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_WATCHDOG_TIMEOUT
 from server.serving import Server
 from server.tool_stream import ToolStream
-from server.tools import Function, ToolCall, parse_tools, template_messages
+from server.tools import Function, ToolCall, template_messages
 from engine.tokenizer import ChatTemplateError, render_chat
 
 logger = logging.getLogger("specserve.server")
@@ -90,11 +90,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise p.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            try:
-                functions = None if body.tools is None else parse_tools(body.tools)
-            except ValueError as exc:
-                raise p.APIError(400, str(exc), param="tools") from None
-            tokens = _render(server, body.messages, body.add_generation_prompt, functions)
+            tokens = _render(server, body.messages, body.add_generation_prompt, p.request_tools(body.tools))
         else:
             tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.info.max_model_len}

@@ -214,10 +214,7 @@ class ChatCompletionRequest(_SamplingRequest):
             if getattr(self, param) is not None:
                 raise APIError(400, f"{param}: the deprecated functions API is not supported; use tools and "
                                     f"tool_choice", param=param)
-        try:
-            functions = [] if self.tools is None else parse_tools(self.tools)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="tools") from None
+        functions = request_tools(self.tools)
         try:
             return functions, parse_tool_choice(self.tool_choice, functions)
         except ValueError as exc:
@@ -231,6 +228,14 @@ class TokenizeRequest(_Request):
     tools: Any = None   # rendered with the messages, as a chat completion would
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+def request_tools(value: Any) -> list[Function]:
+    """A request's `tools` (unset: none); a 400 names the bad item."""
+    try:
+        return [] if value is None else parse_tools(value)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from None
 
 
 class DetokenizeRequest(_Request):

@@ -79,8 +79,9 @@ class ToolStream:
         end = HermesParser.END
         at = self.buffer.find(end)
         body = self.buffer if at < 0 else self.buffer[:at]
-        if self._open is None and (header := HEADER.match(body)) and unquote(header[1]) in self._names:
-            self._open = ToolCall(unquote(header[1]), "", new_call_id())
+        header = HEADER.match(body) if self._open is None else None
+        if header and (name := unquote(header[1])) in self._names:
+            self._open = ToolCall(name, "", new_call_id())
             self._args_start, self._sent = header.end(), 0
             deltas.append(CallDelta(self.num_calls - 1, "", self._open))
         if at < 0 and not final:   # the arguments so far, but for what may be their end

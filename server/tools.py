@@ -31,7 +31,6 @@ from typing import Any
 from engine.structured import JSON_LAYOUT, StructuredOutput
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")   # OpenAI's function names (and the dots some clients use)
-PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -116,8 +115,11 @@ def parse_tool_choice(value: Any, functions: list[Function]) -> str | Function:
 # ---- the model's families ---------------------------------------------------------------------
 
 class ToolParser:
-    """How one model family writes tool calls: parse them out of its output, and constrain it to them."""
-    name = ""
+    """How one model family writes tool calls: parse them out of its output, and constrain it to them.
+    tokenizer: the served tokenizer, for a family whose grammar names its marker tokens."""
+
+    def __init__(self, tokenizer=None):
+        pass
 
     def extract(self, text: str, functions: list[Function]) -> tuple[str | None, list[ToolCall]]:
         """The content (None when there is none) and the calls in a finished output."""
@@ -149,7 +151,6 @@ def _call_schema(functions: list[Function], arguments_key: str) -> dict[str, Any
 
 class HermesParser(ToolParser):
     """<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call."""
-    name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
@@ -204,7 +205,6 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     """Llama 3.1's JSON tool calls: the whole output is {"name": ..., "parameters": {...}} (several
     separated by "; "), after the <|python_tag|> special token when the model writes one."""
-    name = "llama3_json"
     TAG = "<|python_tag|>"
 
     def extract(self, text, functions):
@@ -251,11 +251,12 @@ def choose_parser(chat_template: str | None, configured: str = "auto", tokenizer
     shows none: the fallback prompt asks for that format)."""
     if configured != "auto":
         if configured not in PARSER_CLASSES:
-            raise ValueError(f"tool_call_parser must be auto or one of {', '.join(PARSERS)}, got {configured!r}")
-        return HermesParser(tokenizer) if configured == "hermes" else Llama3JsonParser()
+            raise ValueError(f"tool_call_parser must be auto or one of {', '.join(PARSER_CLASSES)}, got "
+                             f"{configured!r}")
+        return PARSER_CLASSES[configured](tokenizer)
     template = chat_template or ""
     if "<|python_tag|>" in template or '"parameters": ' in template:
-        return Llama3JsonParser()
+        return Llama3JsonParser(tokenizer)
     return HermesParser(tokenizer)
 
 

@@ -147,6 +147,9 @@ def test_the_parser_follows_the_template_or_the_config():
     assert isinstance(choose_parser(HERMES_TEMPLATE, "llama3_json"), Llama3JsonParser)
     with pytest.raises(ValueError, match="tool_call_parser"):
         choose_parser(None, "xml")
+    from server.config import TOOL_CALL_PARSERS
+    from server.tools import PARSER_CLASSES
+    assert TOOL_CALL_PARSERS == ("auto", *PARSER_CLASSES)   # the config key offers every parser
 
 
 def test_templates_get_arguments_as_objects_and_the_fallback_writes_hermes():

@@ -9,18 +9,26 @@ from engine.spec_decode.base import DraftJob, Proposal
 from engine.spec_decode.tree import DraftTree
 
 
-def ngram_lookup(token_ids: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> list[int]:
-    """Longest suffix of length ngram_max..ngram_min that occurred earlier -> up to k following tokens."""
+def continuations(token_ids: np.ndarray, ngram_min: int, ngram_max: int) -> np.ndarray:
+    """Where what followed each earlier occurrence of the longest matching suffix (ngram_max..ngram_min
+    tokens) starts, oldest first; empty when no suffix occurred before."""
     num_tokens = len(token_ids)
     for n in range(min(ngram_max, num_tokens - 1), ngram_min - 1, -1):
-        suffix = token_ids[num_tokens - n:]
         # Windows over token_ids[:-1] so every match has at least one token after it.
         windows = sliding_window_view(token_ids[:num_tokens - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = np.flatnonzero((windows == token_ids[num_tokens - n:]).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n   # most recent occurrence: repetition tends to continue
-            return token_ids[start:start + k].tolist()
-    return []
+            return hits + n
+    return np.empty(0, dtype=np.int64)
+
+
+def ngram_lookup(token_ids: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> list[int]:
+    """Longest suffix of length ngram_max..ngram_min that occurred earlier -> up to k following tokens."""
+    starts = continuations(token_ids, ngram_min, ngram_max)
+    if not len(starts):
+        return []
+    start = int(starts[-1])   # most recent occurrence: repetition tends to continue
+    return token_ids[start:start + k].tolist()
 
 
 def ngram_tree(token_ids: np.ndarray, ngram_min: int, ngram_max: int, depth: int, max_branches: int) -> DraftTree:
@@ -28,19 +36,11 @@ def ngram_tree(token_ids: np.ndarray, ngram_min: int, ngram_max: int, depth: int
     ngram_lookup matches it), up to depth tokens each, merged into a draft tree (issue 52: not yet
     used by the engine): the newest occurrence's continuation first, then up to max_branches - 1
     others that part from it."""
-    tree = DraftTree()
-    num_tokens = len(token_ids)
-    for n in range(min(ngram_max, num_tokens - 1), ngram_min - 1, -1):
-        windows = sliding_window_view(token_ids[:num_tokens - 1], n)
-        hits = np.flatnonzero((windows == token_ids[num_tokens - n:]).all(axis=1))
-        if not len(hits):
-            continue
-        branches = 0
-        for start in (int(h) + n for h in hits[::-1]):   # newest first
-            branches += _merge(tree, token_ids[start:start + depth].tolist())
-            if branches >= max_branches:
-                break
-        return tree
+    tree, branches = DraftTree(), 0
+    for start in continuations(token_ids, ngram_min, ngram_max)[::-1].tolist():   # newest first
+        branches += _merge(tree, token_ids[start:start + depth].tolist())
+        if branches >= max_branches:
+            break
     return tree
 
 
