@@ -79,7 +79,8 @@ class ModelRunner:
         tables = [item.block_table for item in items]
         if trees:
             meta = AttentionMetadata.build_tree(query_lens, seq_lens, tables, self.block_size, self.device,
-                                                [item.tree_mask for item in items], self.model.sliding_window)
+                                                [item.tree_mask for item in items], self.model.sliding_window,
+                                                kernel=self.fused_ops)
         else:
             meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, self.use_flash,
                                            self.model.sliding_window, kernel=self.fused_ops)

@@ -136,19 +136,22 @@ def test_the_chi_square_catches_a_wrong_walk(monkeypatch, broken):
     assert pooled_chisquare(counts, exact) < 1e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, arch):
-    """Tree attention (ForwardItem.tree_mask, the padded torch path): one pass over a branching tree
-    gives every node the logits of a plain pass over the context and that node's path, beside a
-    chain in the same pass."""
+@pytest.mark.parametrize("arch, path", [("llama", "kernel"), ("llama", "padded"), ("qwen3", "kernel")])
+def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, monkeypatch, arch, path):
+    """Tree attention (ForwardItem.tree_mask; fp32 on this CPU: the attention kernel's tree bits, or the
+    padded torch path's mask): one pass over a branching tree gives every node the logits of a plain
+    pass over the context and that node's path, beside a chain in the same pass."""
     from helpers import make_tiny_checkpoint
 
-    from engine import LLM
+    from engine import LLM, attention
     from engine.model_runner import ForwardItem
+
+    monkeypatch.setattr(attention, "TORCH_ATTENTION", "auto" if path == "kernel" else path)
 
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=5)
     runner = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8,
                  skip_tokenizer_init=True).engine.target
+    assert runner.fused_ops   # fp32 on an AVX2 CPU: the kernel's path where TORCH_ATTENTION is auto
     context, table = list(range(20, 39)), [3, 4, 5, 6]
     runner.forward([ForwardItem(context[:-1], 0, table, 1)])
     tree = DraftTree()

@@ -15,5 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual) * weight, x + residual), fp32 [T, H]");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up fp32 [T, 2I] -> [T, I]");
   m.def("rope_paged_attention", &rope_paged_attention,
-        "RoPE, keys and values into the paged cache, causal attention over each sequence's pages (fp32)");
+        "RoPE, keys and values into the paged cache, causal (or tree) attention over each sequence's pages (fp32)",
+        py::arg("qk"), py::arg("value"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
+        py::arg("query_start"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("num_heads"), py::arg("scale"),
+        py::arg("window"), py::arg("tree_bits") = py::none());
 }

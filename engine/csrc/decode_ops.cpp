@@ -9,7 +9,9 @@
 //   silu_mul              silu(gate) * up of the MLP's fused gate_up projection
 //   rope_paged_attention  neox RoPE on queries and keys, keys and values into their cache slots, and
 //                         causal attention of every query row over its sequence's pages where they
-//                         lie (no gather), the query heads sharing a KV head together
+//                         lie (no gather), the query heads sharing a KV head together; or, for a
+//                         sequence that feeds a draft tree, attention to the context and the fed
+//                         tokens its row's tree bits name (its ancestors and itself)
 //
 // The attention is flash-style: keys in chunks of CHUNK, a running max and sum per query row, so
 // memory stays small at any context. A row's result does not depend on the other rows of the pass,
@@ -126,9 +128,13 @@ struct PagedCache {
 };
 
 // Attention of sequence b's rows for KV head `head`: rows r = i * G + g (query i, head head * G + g),
-// query i at position seq_len - q_len + i sees keys (position - window, position].
+// query i at position seq_len - q_len + i sees keys (position - window, position]. With tree_bits
+// (a tree's fed tokens), query i sees the context before the fed tokens and fed token j only where
+// bit j of tree_bits[q_begin + i] is set: the masked keys score -inf, so a path's rows add the same
+// terms as a causal pass over that path (at other key offsets: equal up to rounding).
 void attend(const PagedCache& cache, const float* queries, float* out, const int32_t* table, int64_t q_begin,
-            int64_t q_len, int64_t seq_len, int64_t head, int64_t group, int64_t num_heads, int64_t window) {
+            int64_t q_len, int64_t seq_len, int64_t head, int64_t group, int64_t num_heads, int64_t window,
+            const int64_t* tree_bits) {
   const int64_t D = cache.head_dim, rows = q_len * group, first_pos = seq_len - q_len;
   std::vector<float> acc(rows * D, 0.f), scores(CHUNK), max(rows, NEG_INF), sum(rows, 0.f);
   const float* keys[CHUNK];
@@ -150,6 +156,11 @@ void attend(const PagedCache& cache, const float* queries, float* out, const int
       dot_keys(q, keys, visible, D, scores.data());
       if (window > 0)
         for (int64_t j = 0; j < std::min<int64_t>(visible, position - window + 1 - c0); ++j) scores[j] = NEG_INF;
+      if (tree_bits != nullptr) {
+        const uint64_t bits = uint64_t(tree_bits[q_begin + i]);
+        for (int64_t j = std::max<int64_t>(0, first_pos - c0); j < visible; ++j)
+          if (!((bits >> (c0 + j - first_pos)) & 1)) scores[j] = NEG_INF;
+      }
       absorb(scores.data(), visible, values, D, acc.data() + r * D, max[r], sum[r]);
     }
   }
@@ -223,7 +234,8 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor&
                                    const torch::Tensor& sin, torch::Tensor& kv_cache,
                                    const torch::Tensor& slot_mapping, const torch::Tensor& query_start,
                                    const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
-                                   int64_t num_heads, double scale, int64_t window) {
+                                   int64_t num_heads, double scale, int64_t window,
+                                   const c10::optional<torch::Tensor>& tree_bits) {
   TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat && kv_cache.dim() == 5 && kv_cache.is_contiguous() &&
                   kv_cache.size(0) == 2, "kv_cache: contiguous fp32 [2, blocks, block_size, H_kv, D]");
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3), D = kv_cache.size(4);
@@ -243,6 +255,12 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor&
                   seq_lens.scalar_type() == torch::kInt && block_tables.scalar_type() == torch::kInt &&
                   block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.is_contiguous(),
               "query_start int32 [B + 1], seq_lens int32 [B], block_tables contiguous int32 [B, blocks]");
+  if (tree_bits) {
+    TORCH_CHECK(tree_bits->scalar_type() == torch::kLong && tree_bits->numel() == T && tree_bits->is_contiguous(),
+                "tree_bits: contiguous int64 [T]");
+    TORCH_CHECK(window == 0, "tree attention takes no sliding window");
+  }
+  const int64_t* bits = tree_bits ? tree_bits->data_ptr<int64_t>() : nullptr;
   auto out = torch::empty({T, num_heads, D}, qk.options());
   PagedCache cache{kv_cache.data_ptr<float>(), kv_cache.data_ptr<float>() + kv_cache.stride(0), block_size,
                    num_kv_heads, D};
@@ -269,7 +287,7 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor&
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, head = item % num_kv_heads;
       attend(cache, queries, queries, tables + b * width, starts[b], starts[b + 1] - starts[b], lens[b], head, group,
-             num_heads, window);
+             num_heads, window, bits);
     }
   });
   return out;
