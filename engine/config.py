@@ -36,6 +36,8 @@ class SpeculativeConfig:
     adaptive: bool = True             # the goodput policy picks k per request and step; False: always gamma
     draft_p_min: float | None = None  # confidence stop: a fixed bar; None: the policy sets it
     draft_temperature: float | None = None  # None: each request's own temperature
+    tree_nodes: int = 0               # n-gram and suffix drafts as trees of up to this many nodes (several
+                                      # continuations verified in one pass); 0: chains
     ngram_max: int = 4
     ngram_min: int = 1
     suffix_max_match: int = 24        # suffix: longest context suffix it matches
@@ -90,6 +92,10 @@ class SpeculativeConfig:
                                  "with an \"eagle\" block, from `specserve distill --head eagle`, or a "
                                  "published EAGLE-3 head, \"architectures\": [\"LlamaForCausalLMEagle3\"]; "
                                  "the speculators format, Eagle3Speculator, is not supported)")
+        if not isinstance(self.tree_nodes, int) or isinstance(self.tree_nodes, bool) \
+                or not 0 <= self.tree_nodes <= MAX_SPEC_TOKENS:
+            raise ValueError(f"speculative.tree_nodes must be an integer in 0..{MAX_SPEC_TOKENS} (0: draft chains), "
+                             f"got {self.tree_nodes!r}")
         if "ngram" in self.proposers and not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if "suffix" in self.proposers:

@@ -66,8 +66,9 @@ class Engine:
         self.vocab_size = parts.vocab_size
         self.eos_token_ids = parts.eos_token_ids
         self.gamma = config.speculative.gamma
+        self.tree_nodes = self._tree_nodes(config)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.gamma)
+                                   self.max_model_len, self.gamma, self.tree_nodes)
         self.requests: dict[str, Request] = {}
         self.last_stats: StepStats | None = None
         self.num_steps = 0
@@ -76,6 +77,14 @@ class Engine:
         self.num_failed_steps = 0   # consecutive steps in which every request failed
         # structured outputs: constrained requests wait here while their grammar compiles
         self.grammars = GrammarQueue(GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids))
+
+    def _tree_nodes(self, config: EngineConfig) -> int:
+        """The most nodes of a request's draft tree (0: chains); trees need full attention."""
+        if self.target.model.sliding_window is not None and config.speculative.tree_nodes:
+            logger.warning("speculative.tree_nodes is ignored: this target's sliding-window attention takes no "
+                           "draft trees yet; drafts stay chains")
+            return 0
+        return config.speculative.tree_nodes if config.speculative.gamma else 0
 
     @property
     def configured_proposers(self) -> list[str]:
@@ -279,10 +288,18 @@ class Engine:
         if request.params.num_speculative_tokens is not None:
             limit = min(limit, request.params.num_speculative_tokens)
         proposers = {m: self.proposer.proposers[m] for m in self._allowed(request)}
+        max_nodes = self._max_nodes(request) if limit else 0
         return Candidate(request.request_id,
-                         {m: p.max_drafts(request, limit) if limit else 0 for m, p in proposers.items()},
+                         {m: p.max_drafts(request, limit, max_nodes) if limit else 0 for m, p in proposers.items()},
                          {m: p.catch_up_tokens(request) for m, p in proposers.items()},
                          self._remaining_tokens(request))
+
+    def _max_nodes(self, request: Request) -> int:
+        """The nodes a draft tree for the request may have; 0: chains only (a grammar masks and penalties
+        judge each draft against one history: a chain's)."""
+        if not self.tree_nodes or request.grammar is not None or request.params.has_penalties:
+            return 0
+        return min(self.tree_nodes, self.scheduler.slot_limit(request))
 
     def _remaining_tokens(self, request: Request) -> int:
         return max(0, min(request.params.max_tokens - request.num_output_tokens,

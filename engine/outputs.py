@@ -85,6 +85,7 @@ class StepStats:
     predicted_time_s: float | None = None    # the cost tables' price of the plan's draft + verify time
     mask_time_s: float = 0.0          # structured outputs: computing grammar masks (their share of draft + verify time)
     num_masked_rows: int = 0          # emitting rows a grammar masked
+    num_tree_drafts: int = 0          # passes whose drafts were a tree (several continuations) this step
     grammar_compile_s: tuple[float, ...] = ()   # requests whose grammar became ready this step: compile seconds
     grammar_cache_hits: int = 0       # of those, grammars compiled before (a cached spec)
 

@@ -44,12 +44,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_speculative_tokens: int = 0):
+                 max_model_len: int, num_speculative_tokens: int = 0, tree_nodes: int = 0):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.gamma = num_speculative_tokens   # the most drafts one request may verify in a step
+        self.max_lookahead = max(num_speculative_tokens, tree_nodes)   # ... and slots it may reserve (a draft tree)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -76,6 +77,10 @@ class Scheduler:
         room_in_context = self.max_model_len - request.num_tokens
         return max(0, min(self.gamma, room_in_output, room_in_context))
 
+    def slot_limit(self, request: Request) -> int:
+        """Draft slots a request may reserve: a chain's drafts or a tree's nodes, within the context."""
+        return max(0, min(self.max_lookahead, self.max_model_len - request.num_tokens))
+
     def decoding(self) -> list[Request]:
         """Running requests whose next pass is a decode (or verification): only their last token is new."""
         return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0]
@@ -91,7 +96,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue   # preempted earlier in this loop, or out of budget this step
             # Every later decode keeps its one token of budget.
-            k = min(lookahead.get(request.request_id, 0), self.draft_limit(request), budget - 1 - (len(decoding) - 1 - i))
+            k = min(lookahead.get(request.request_id, 0), self.slot_limit(request), budget - 1 - (len(decoding) - 1 - i))
             item = self._schedule_decode(request, max(k, 0), out)
             if item is not None:
                 out.scheduled.append(item)

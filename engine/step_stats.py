@@ -69,4 +69,5 @@ def step_stats(engine, batch, plan: StepPlan, proposal: Proposal, emitted_drafts
         predicted_time_s=plan.predicted_time if pure_decode else None,
         mask_time_s=masks.seconds, num_masked_rows=sum(m.shape[0] for m in masks.rows.values()),
         grammar_compile_s=tuple(compiled.seconds), grammar_cache_hits=compiled.cache_hits,
+        num_tree_drafts=sum(t is not None for t in proposal.trees or ()),
     )

@@ -3,7 +3,10 @@
 For each request that samples this step the target scores [its last token] +
 its k draft tokens: logits row j judges draft token j, row k gives the bonus
 token. Requests still prefilling contribute their prompt chunk (and logits
-only when they asked for prompt logprobs).
+only when they asked for prompt logprobs). A request whose drafts are a tree
+(Proposal.trees) feeds its nodes under the tree's mask and is walked by
+spec_decode/tree.py's verify_tree; its accepted path's keys and values then
+move to the positions the next step reads.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from engine.sampler import SamplingTensors, apply_penalties, compute_logprobs, e
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.base import Proposal
 from engine.spec_decode.rejection import rejection_sample
+from engine.spec_decode.tree import DraftTree, verify_tree
 from engine.structured import mask_logits
 
 
@@ -43,8 +47,12 @@ def verify(target: ModelRunner, scheduled: list[ScheduledRequest], proposal: Pro
         result.prompt_logprobs[i] = _logprobs(logits[rows[:len(targets)]], targets, request.params.prompt_logprobs)
     if masks:
         _mask(logits, sample_rows, masks)
-    if sample_rows:
-        _accept(scheduled, proposal, logits, sample_rows, result)
+    trees = {i: tree for i, tree in enumerate(proposal.trees or ()) if tree is not None and i in sample_rows}
+    chains = {i: rows for i, rows in sample_rows.items() if i not in trees}
+    if chains:
+        _accept(scheduled, proposal, logits, chains, result)
+    for i, tree in trees.items():
+        _accept_tree(target, scheduled[i].request, tree, logits[sample_rows[i]], result, i)
     return result
 
 
@@ -66,7 +74,9 @@ def _forward_items(scheduled, proposal):
         fed = request.token_ids[start:start + item.num_new_tokens] + drafts
         num_sample = 1 + len(drafts) if item.samples else 0
         num_logits = max(num_sample, item.num_new_tokens if request.wants_prompt_logprobs else 0)
-        items.append(ForwardItem(fed, start, request.block_table, num_logits))
+        tree = proposal.trees[i] if proposal.trees else None
+        items.append(ForwardItem(fed, start, request.block_table, num_logits,
+                                 tree.fed_mask() if tree is not None else None))
         if num_sample:
             sample_rows[i] = list(range(row + num_logits - num_sample, row + num_logits))
         if request.wants_prompt_logprobs:
@@ -115,6 +125,27 @@ def _accept(scheduled, proposal: Proposal, logits: torch.Tensor, sample_rows: di
         wanted = requests[b].params.logprobs
         if wanted is not None:
             result.logprobs[i] = _logprobs(raw[b, :len(tokens)], tokens, wanted)
+
+
+def _accept_tree(target: ModelRunner, request, tree: DraftTree, rows: torch.Tensor, result: VerifyResult,
+                 i: int) -> None:
+    """Walk one request's draft tree against its rows (the root's, then each node's), then copy the
+    accepted path's KV to the consecutive positions after the root."""
+    params = request.params
+    probs = rows   # greedy walks read argmaxes only
+    if not params.greedy:
+        probs = warp_probs(rows, SamplingTensors.from_params([params] * len(rows), rows.device))
+    coupled = None
+    if request.noise is not None:
+        coupled = [request.noise.at(request.num_output_tokens + d) for d in range(max(tree.depths()) + 1)]
+    tokens, accepted = verify_tree(tree, probs, request.generator, params.greedy, coupled)
+    result.token_ids[i], result.num_accepted[i] = tokens, len(accepted)
+    if params.logprobs is not None:
+        result.logprobs[i] = _logprobs(rows[[0] + [1 + node for node in accepted]], tokens, params.logprobs)
+    first = request.num_computed_tokens + 1   # the first node's slot, and the accepted path's first position
+    moves = [(first + node, first + depth) for depth, node in enumerate(accepted) if node != depth]
+    if moves:
+        target.move_kv(request.block_table, *map(list, zip(*moves)))
 
 
 def _plain_greedy(params) -> bool:

@@ -39,6 +39,9 @@ Counting rules (so nothing is counted twice):
   ``num_draft_tokens`` / ``num_accepted_tokens`` by the proposer that drafted; summed over
   ``proposer`` they equal the unsplit counters. ``proposer="grammar"`` counts the tokens a
   request's grammar forced, drafted for free (structured outputs).
+- ``spec_decode_num_tree_drafts_total`` counts decode passes whose drafts were a tree (several
+  continuations verified at once: n-gram and suffix drafts with ``speculative.tree_nodes``); their
+  nodes count in ``num_draft_tokens``, their accepted path in ``num_accepted_tokens``.
 
 Structured outputs: ``structured_requests_total{kind}`` counts constrained requests as the server
 admits them (one per choice); ``structured_compile_seconds`` observes each request's matcher build
@@ -264,6 +267,9 @@ class Metrics:
         if method == "none":
             self._speedup.labels(**spec).set(1.0)
 
+        self.num_tree_drafts = counter("spec_decode_num_tree_drafts", "Decode passes whose drafts were a tree "
+                                       "(several continuations verified in one pass).", spec)
+
         # Structured outputs.
         self._structured_family = Counter(PREFIX + "structured_requests", "Constrained requests admitted, by kind.",
                                           ["model_name", "kind"], registry=self.registry)
@@ -317,6 +323,7 @@ class Metrics:
         self.num_drafts.inc(stats.num_drafts)
         self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        self.num_tree_drafts.inc(stats.num_tree_drafts)
         if stats.accepted_per_position:
             self._count_positions(stats.accepted_per_position)
         self.accepted_length.observe_many(stats.accepted_lengths)

@@ -280,6 +280,17 @@ def ngram_prompt(target: str) -> list[int]:
     return PROMPT + greedy + greedy[:3]
 
 
+def tree_prompt(target: str) -> list[int]:
+    """PROMPT, the target's greedy continuation g, then PROMPT's last two tokens twice more, followed
+    by other tokens: the end of the context occurred three times with different continuations, so
+    n-gram drafts are branching trees."""
+    from engine import LLM
+    greedy = LLM(target, skip_tokenizer_init=True, dtype="float32").generate(
+        [PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    others = [t for t in range(2, VOCAB) if t != greedy[0]]
+    return PROMPT + greedy + PROMPT[-2:] + others[:2] + PROMPT[-2:] + others[2:4] + PROMPT[-2:]
+
+
 def exact_distribution(path: str, prompt: list[int], params: SamplingParams) -> np.ndarray:
     """P(t1..t5 | prompt) [16]*5 by enumerating every 4-token prefix, with the request's warping."""
     from engine.sampler import SamplingTensors, warp_probs
@@ -307,6 +318,7 @@ def sample_sequences(target: str, spec: dict, prompt, params, num: int, seeded: 
     engine = Engine(config)
     counts = np.zeros((VOCAB,) * 5)
     sample_sequences.mixed_passes = 0   # passes that verified draft-model and n-gram drafts together
+    sample_sequences.tree_drafts = 0    # requests' passes that verified a draft tree
     for start in range(0, num, 3000):
         seqs = {}
         for seed in range(start, min(num, start + 3000)):
@@ -320,6 +332,7 @@ def sample_sequences(target: str, spec: dict, prompt, params, num: int, seeded: 
                 seqs[out.request_id].extend(out.new_token_ids)
             methods = {m for m, _, _ in engine.last_stats.drafts_by_method} if engine.last_stats else set()
             sample_sequences.mixed_passes += methods >= {"draft", "ngram"}
+            sample_sequences.tree_drafts += engine.last_stats.num_tree_drafts if engine.last_stats else 0
         for tokens in seqs.values():
             counts[tuple(tokens[:5])] += 1
     return counts, engine.totals.acceptance_rate
@@ -349,6 +362,8 @@ SAMPLING_CASES = {   # (sampling fields, draft config extras or None for n-gram,
     "seeded-draft-top_p": (dict(temperature=0.9, top_p=0.9), {}, True),
     "seeded-ngram": (dict(temperature=0.9, top_k=10), None, True),
     "mixed-draft-and-ngram": (dict(temperature=0.9, top_k=10), "mixed", False),
+    "ngram-tree": (dict(temperature=0.9, top_k=10), "tree", False),
+    "seeded-ngram-tree": (dict(temperature=0.9, top_p=0.9), "tree", True),
 }
 
 
@@ -358,6 +373,9 @@ def run_case(target: str, draft: str, case: str, num: int = SAMPLES) -> tuple[np
     params = SamplingParams(max_tokens=5, ignore_eos=True, **fields)
     if extra is None:   # deterministic drafts (q one-hot) from the prompt
         spec, prompt = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3}, ngram_prompt(target)
+    elif extra == "tree":   # n-gram drafts as branching trees (several deterministic children per node)
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3, "tree_nodes": 6}
+        prompt = tree_prompt(target)
     elif extra == "mixed":   # model drafts and n-gram guesses verified in the same passes
         spec = {"method": "auto", "model": draft, "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3}
         prompt = ngram_prompt(target)
@@ -372,11 +390,14 @@ def run_case(target: str, draft: str, case: str, num: int = SAMPLES) -> tuple[np
 def test_speculative_sampling_matches_target_distribution(small_vocab_pair, case):
     counts, acceptance, probs = run_case(*small_vocab_pair, case)
     # acceptance where every branch of the sampler runs often (measured: draft 0.54-0.64, rejection
-    # sampling and coupled alike; n-gram 0.32)
-    lowest = 0.4 if isinstance(SAMPLING_CASES[case][1], dict) else 0.25
+    # sampling and coupled alike; n-gram 0.32; n-gram trees, per node, 0.24)
+    kind = SAMPLING_CASES[case][1]
+    lowest = 0.4 if isinstance(kind, dict) else 0.15 if kind == "tree" else 0.25
     assert lowest <= acceptance <= 0.8, acceptance
     if case.startswith("mixed"):
         assert sample_sequences.mixed_passes > 0
+    if kind == "tree":
+        assert sample_sequences.tree_drafts > 0
     pvalues = position_pvalues(counts, probs)
     assert min(pvalues.values()) > P_MIN, pvalues
 
@@ -398,6 +419,18 @@ def bonus_from_last_draft_row(target_probs, draft_ids, num_drafts, draft_probs, 
 def test_chi_square_catches_a_subtly_broken_sampler(small_vocab_pair, monkeypatch, broken):
     monkeypatch.setattr(engine.verify, "rejection_sample", broken)
     counts, _, probs = run_case(*small_vocab_pair, "draft-temperature-top_k")
+    pvalues = position_pvalues(counts, probs)
+    assert min(pvalues.values()) < P_MIN, pvalues
+
+
+@pytest.mark.slow   # chi-square: thousands of samples
+def test_chi_square_catches_a_tree_walk_without_residuals(small_vocab_pair, monkeypatch):
+    """A rejected tree child must leave the target's distribution without it: drawing from p as it was
+    makes the rejected token too likely."""
+    import engine.spec_decode.tree as tree_module
+
+    monkeypatch.setattr(tree_module, "_residual", lambda p, token, q: p)
+    counts, _, probs = run_case(*small_vocab_pair, "ngram-tree")
     pvalues = position_pvalues(counts, probs)
     assert min(pvalues.values()) < P_MIN, pvalues
 
@@ -452,21 +485,22 @@ def test_greedy_draft_choice_matches_the_sampler():
 
 
 def test_ngram_tree_holds_the_distinct_continuations_of_several_matches():
-    """ngram_tree (issue 52): the latest matches of the longest suffix, their continuations merged
-    where they agree, the newest first; max_branches bounds the parting continuations."""
+    """ngram_tree: the matches of the longest suffix, their continuations merged where they agree,
+    best first by the share of matches behind each node (ties: the newer match); max_nodes keeps the
+    best nodes, so one node's worth of budget per depth is the chain ngram_lookup drafts."""
     from engine.spec_decode.ngram import ngram_lookup, ngram_tree
 
     tokens = np.asarray([5, 6, 1, 2, 9, 5, 6, 1, 3, 9, 5, 6, 1, 2, 8, 5, 6])
-    tree = ngram_tree(tokens, 1, 3, depth=3, max_branches=4)
+    tree, probs = ngram_tree(tokens, 1, 3, max_nodes=16, max_depth=3)
     paths = {tuple(tree.tokens[n] for n in tree.path(i)) for i in range(len(tree)) if not tree.children(i)}
     assert paths == {(1, 2, 8), (1, 3, 9), (1, 2, 9)}
-    node, first = -1, []   # the first child all the way down: the newest match, what a chain drafts
+    assert len(tree) == 6 and probs == pytest.approx([1, 2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])
+    node, first = -1, []   # the first child all the way down: the newest match among equals
     while tree.children(node):
         node = tree.children(node)[0]
         first.append(tree.tokens[node])
     assert first == ngram_lookup(tokens, 1, 3, 3) == [1, 2, 8]
-    assert len(tree) == 6   # 1, then 2 and 3, then 8, 9 and 9
-    narrow = ngram_tree(tokens, 1, 3, depth=3, max_branches=1)
-    assert narrow.tokens == ngram_lookup(tokens, 1, 3, 3)   # one branch: the chain n-gram lookup drafts
-    assert len(ngram_tree(np.asarray([1, 2, 3]), 1, 3, depth=3, max_branches=4)) == 0
+    small, _ = ngram_tree(tokens, 1, 3, max_nodes=3, max_depth=3)
+    assert small.tokens == [1, 2, 3]   # the best three: both second tokens before any third
+    assert len(ngram_tree(np.asarray([1, 2, 3]), 1, 3, max_nodes=8, max_depth=3)[0]) == 0
 

@@ -15,6 +15,7 @@ import torch
 
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
+from engine.spec_decode.tree import DraftTree
 from engine.step_costs import DraftForward
 
 
@@ -32,6 +33,9 @@ class Proposal:
     draft_probs: torch.Tensor | None   # [num_scheduled, max_lookahead, vocab] distributions the drafts came from;
                                        # None, or an all-zero row: a deterministic guess (q = one-hot)
     forwards: list[DraftForward] = field(default_factory=list)   # model proposers' forwards, timed
+    # Per scheduled request, a draft tree (None: its drafts are a chain); None: no request has one.
+    # A tree's draft_token_ids are its nodes' tokens, in node order: the order they are fed.
+    trees: list[DraftTree | None] | None = None
 
     @classmethod
     def empty(cls, num_scheduled: int) -> "Proposal":
@@ -41,8 +45,10 @@ class Proposal:
 class Proposer(Protocol):
     method: str
 
-    def max_drafts(self, request: Request, limit: int) -> int:
-        """How many drafts it could offer the request now, at most `limit` (n-gram: its match)."""
+    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
+        """How many drafts it could offer the request now, at most `limit` (n-gram: its match); with
+        max_nodes (a proposer that builds draft trees), the nodes of a tree at most `limit` deep that
+        it will propose, cut to the plan, this step."""
         ...
 
     def catch_up_tokens(self, request: Request) -> int:
@@ -76,6 +82,7 @@ class Router:
     def propose(self, scheduled: list[ScheduledRequest], plan: dict) -> Proposal:
         """plan: request id -> Draft (method, k, p_min), as the policy's StepPlan.drafts."""
         drafts: list[list[int]] = [[] for _ in scheduled]
+        trees: list[DraftTree | None] = [None for _ in scheduled]
         model_probs: list[tuple[list[int], torch.Tensor]] = []
         forwards: list[DraftForward] = []
         for method, proposer in self.proposers.items():
@@ -88,19 +95,27 @@ class Router:
             forwards += proposal.forwards
             for i, tokens in zip(mine, proposal.draft_token_ids):
                 drafts[i] = tokens
+            for i, tree in zip(mine, proposal.trees or ()):
+                trees[i] = tree
             if proposal.draft_probs is not None:
                 model_probs.append((mine, proposal.draft_probs))
+        return Proposal(drafts, self._merge_probs(len(scheduled), drafts, model_probs), forwards,
+                        trees if any(t is not None for t in trees) else None)
+
+    def _merge_probs(self, num_scheduled: int, drafts: list[list[int]],
+                     model_probs: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor | None:
+        """The model proposers' draft distributions as one [num_scheduled, max_k, vocab] block."""
         if not model_probs:
-            return Proposal(drafts, None, forwards)
+            return None
         max_k = max(len(d) for d in drafts)
         rows, block = model_probs[0]
-        if len(model_probs) == 1 and rows == list(range(len(scheduled))) and block.shape[1] == max_k:
-            return Proposal(drafts, block, forwards)   # one proposer drafted for every row: its block as it is
-        probs = model_probs[0][1].new_zeros(len(scheduled), max_k, self.vocab_size)
+        if len(model_probs) == 1 and rows == list(range(num_scheduled)) and block.shape[1] == max_k:
+            return block   # one proposer drafted for every row: its block as it is
+        probs = block.new_zeros(num_scheduled, max_k, self.vocab_size)
         for rows, block in model_probs:
             width = min(max_k, block.shape[1])
             probs[torch.tensor(rows, device=probs.device), :width] = block[:, :width]
-        return Proposal(drafts, probs, forwards)
+        return probs
 
     def on_verified(self, request: Request) -> None:
         for proposer in self.proposers.values():

@@ -46,7 +46,7 @@ class DraftModelProposer:
     def _set_cursor(self, request: Request, valid: int) -> None:
         self._cursors[request.request_id] = (request.num_preemptions, valid)
 
-    def max_drafts(self, request: Request, limit: int) -> int:
+    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:   # chains only
         return limit
 
     def catch_up_tokens(self, request: Request) -> int:

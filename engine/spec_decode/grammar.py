@@ -20,7 +20,7 @@ class GrammarProposer:
             return []
         return request.grammar.forced_tokens()[:limit]
 
-    def max_drafts(self, request: Request, limit: int) -> int:
+    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:   # chains only
         return len(self.forced(request, limit))
 
     def catch_up_tokens(self, request: Request) -> int:

@@ -6,7 +6,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
 from engine.spec_decode.base import DraftJob, Proposal
-from engine.spec_decode.tree import DraftTree
+from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree
+
+MAX_MATCHES = 64   # newest occurrences a draft tree is built from: bounds a lookup on a common n-gram
 
 
 def continuations(token_ids: np.ndarray, ngram_min: int, ngram_max: int) -> np.ndarray:
@@ -31,28 +33,14 @@ def ngram_lookup(token_ids: np.ndarray, ngram_min: int, ngram_max: int, k: int) 
     return token_ids[start:start + k].tolist()
 
 
-def ngram_tree(token_ids: np.ndarray, ngram_min: int, ngram_max: int, depth: int, max_branches: int) -> DraftTree:
-    """The distinct continuations of the latest occurrences of the longest matching suffix (as
-    ngram_lookup matches it), up to depth tokens each, merged into a draft tree (issue 52: not yet
-    used by the engine): the newest occurrence's continuation first, then up to max_branches - 1
-    others that part from it."""
-    tree, branches = DraftTree(), 0
-    for start in continuations(token_ids, ngram_min, ngram_max)[::-1].tolist():   # newest first
-        branches += _merge(tree, token_ids[start:start + depth].tolist())
-        if branches >= max_branches:
-            break
-    return tree
-
-
-def _merge(tree: DraftTree, tokens: list[int]) -> bool:
-    """Add a continuation to the tree along the nodes it shares; whether it made a new branch."""
-    node, new = -1, False
-    for token in tokens:
-        child = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
-        if child is None:
-            child, new = tree.add(token, node), True
-        node = child
-    return new
+def ngram_tree(token_ids: np.ndarray, ngram_min: int, ngram_max: int, max_nodes: int, max_depth: int,
+               min_prob: float = 0.0) -> tuple[DraftTree, list[float]]:
+    """What followed the newest MAX_MATCHES occurrences of the longest matching suffix (as
+    ngram_lookup matches it), merged into a best-first draft tree (best_first_tree; ties go to the
+    newer occurrence, so a lone branch is the chain ngram_lookup drafts). Returns the tree and each
+    node's probability."""
+    starts = continuations(token_ids, ngram_min, ngram_max)[::-1][:MAX_MATCHES].tolist()   # newest first
+    return best_first_tree([token_ids[s:s + max_depth].tolist() for s in starts], max_nodes, max_depth, min_prob)
 
 
 class NgramIndex:
@@ -96,6 +84,7 @@ class NgramProposer:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self._indexes: dict[str, NgramIndex] = {}   # request id -> its context's index
+        self.trees = BuiltTrees()
 
     def _match(self, request: Request, k: int) -> tuple[list[int], int]:
         index = self._indexes.get(request.request_id)
@@ -107,17 +96,25 @@ class NgramProposer:
     def _lookup(self, request: Request, k: int) -> list[int]:
         return self._match(request, k)[0]
 
-    def max_drafts(self, request: Request, limit: int) -> int:
-        return len(self._lookup(request, limit)) if limit > 0 else 0
+    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
+        """With max_nodes, the size of the request's draft tree (at most limit deep): a tree it then proposes."""
+        if limit <= 0:
+            return 0
+        if max_nodes > 0:
+            return self.trees.keep(request, *ngram_tree(np.asarray(request.token_ids), self.ngram_min,
+                                                        self.ngram_max, max_nodes, limit))
+        return len(self._lookup(request, limit))
 
     def catch_up_tokens(self, request: Request) -> int:
         return 0
 
     def propose(self, jobs: list[DraftJob]) -> Proposal:
-        return Proposal([self._lookup(job.request, job.num_lookahead) for job in jobs], None)
+        drafts, trees = self.trees.drafts(jobs, lambda job: self._lookup(job.request, job.num_lookahead))
+        return Proposal(drafts, None, trees=trees)
 
     def on_verified(self, request: Request) -> None:
         pass
 
     def on_finish(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
+        self.trees.forget(request_id)

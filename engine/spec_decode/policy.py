@@ -119,7 +119,9 @@ def priced(costs: StepCosts, view: StepView, drafts: dict[str, Draft]) -> StepPl
 
 
 class StaticPolicy:
-    """gamma drafts (or as many as the proposer offers) every step, from the first usable proposer."""
+    """gamma drafts (or as many as the proposer offers) every step, from the first usable proposer
+    (gamma: the most slots, a draft tree's nodes included; chains come at most num_speculative_tokens
+    long from their proposers)."""
 
     def __init__(self, methods: list[str], gamma: int, costs: StepCosts, p_min: float | None = None):
         self.methods, self.gamma, self.costs, self.p_min = list(methods), gamma, costs, p_min or 0.0

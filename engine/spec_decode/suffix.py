@@ -26,14 +26,13 @@ Bookkeeping only: no tensors here.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
 
 from engine.request import Request
 from engine.spec_decode.base import DraftJob, Proposal
-from engine.spec_decode.tree import DraftTree
+from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree
 
 MAX_CANDIDATES = 64   # newest occurrences kept per q-gram: bounds lookups on common q-grams, and memory
 
@@ -137,29 +136,19 @@ class SuffixIndex:
             k = min(k, max(1, math.ceil(spec_factor * longest)))
         return self._follow(kept, longest, k, min_prob)
 
-    def lookup_tree(self, context: list[int], max_nodes: int, max_match: int, min_prob: float
-                    ) -> tuple[DraftTree, list[float]]:
-        """The continuations of the longest matches as a draft tree (issue 52: not yet used by the
-        engine): expanded best first by the share of occurrences that agree with a node's path, up to
-        max_nodes nodes and down to min_prob. Returns the tree and each node's path probability."""
-        tree, probs = DraftTree(), []
-        kept, _ = self._longest_matches(context, max_match) if context and max_nodes > 0 else ([], 0)
-        frontier = [(-1.0, -1, kept, 0)] if kept else []   # (-path probability, node, occurrences, depth)
-        ends = {s: self.document_end(s - 1) for s in kept}
-        while frontier and len(tree) < max_nodes:
-            neg_p, node, starts, depth = heapq.heappop(frontier)
-            groups: dict[int, list[int]] = {}
-            for s in starts:
-                if s + depth < ends[s]:
-                    groups.setdefault(self.tokens[s + depth - self.base], []).append(s)
-            for token, agreeing in sorted(groups.items(), key=lambda item: -len(item[1])):
-                p = -neg_p * len(agreeing) / len(starts)
-                if p < min_prob or len(tree) >= max_nodes:
-                    break
-                child = tree.add(token, node)
-                probs.append(p)
-                heapq.heappush(frontier, (-p, child, agreeing, depth + 1))
-        return tree, probs
+    def lookup_tree(self, context: list[int], max_nodes: int, max_depth: int, max_match: int, min_prob: float,
+                    spec_factor: float | None = None) -> tuple[DraftTree, list[float], int]:
+        """The continuations of the longest matches as a draft tree (best_first_tree: best first by
+        the share of occurrences agreeing with a node's path), up to max_nodes, max_depth deep (and
+        spec_factor x the match length), down to min_prob. Returns the tree, each node's
+        probability, and the score of its first node (match length x the occurrences behind it)."""
+        kept, longest = self._longest_matches(context, max_match) if context and max_nodes > 0 else ([], 0)
+        if spec_factor is not None:
+            max_depth = min(max_depth, max(1, math.ceil(spec_factor * longest)))
+        continuations = [self.tokens[s - self.base:min(self.document_end(s - 1), s + max_depth) - self.base]
+                         for s in kept]
+        tree, probs = best_first_tree(continuations, max_nodes, max_depth, min_prob)
+        return tree, probs, round(longest * probs[0] * len(kept)) if probs else 0
 
     def _longest_matches(self, context: list[int], max_match: int) -> tuple[list[int], int]:
         """Where the continuations of the longest occurrences of context's suffix start (each with a
@@ -239,16 +228,23 @@ class SuffixProposer:
         self.shared = SharedSuffixCache(cache_tokens, max_q)
         self._own: dict[str, tuple[SuffixIndex, int]] = {}          # request id -> (its index, prompt length)
         self._drafts: dict[str, tuple[int, int, SuffixDraft]] = {}  # request id -> (num_tokens, k, draft) this step
+        self.trees = BuiltTrees()
 
     # ---- the lifecycle ------------------------------------------------------------
-    def max_drafts(self, request: Request, limit: int) -> int:
-        return min(limit, len(self.draft(request, limit).token_ids)) if limit > 0 else 0
+    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
+        """With max_nodes, the size of the request's draft tree (at most limit deep): a tree it then proposes."""
+        if limit <= 0:
+            return 0
+        if max_nodes > 0:
+            return len(self.draft_tree(request, limit, max_nodes)[0])
+        return min(limit, len(self.draft(request, limit).token_ids))
 
     def catch_up_tokens(self, request: Request) -> int:
         return 0
 
     def propose(self, jobs: list[DraftJob]) -> Proposal:
-        return Proposal([self._confident(self.draft(job.request, job.num_lookahead), job) for job in jobs], None)
+        drafts, trees = self.trees.drafts(jobs, lambda job: self._confident(self.draft(job.request, job.num_lookahead), job))
+        return Proposal(drafts, None, trees=trees)
 
     @staticmethod
     def _confident(draft: SuffixDraft, job: DraftJob) -> list[int]:
@@ -268,6 +264,7 @@ class SuffixProposer:
 
     def on_finish(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)
+        self.trees.forget(request_id)
         own = self._own.pop(request_id, None)
         if own is not None:
             index, prompt_length = own
@@ -291,6 +288,19 @@ class SuffixProposer:
             best = NO_DRAFT
         self._drafts[request.request_id] = (request.num_tokens, k, best)
         return best
+
+    def draft_tree(self, request: Request, max_depth: int, max_nodes: int) -> tuple[DraftTree, list[float]]:
+        """The better of the two indexes' draft trees, by expected accepted tokens (the sum of their
+        nodes' probabilities; ties go to the request's own), kept for this step's proposal."""
+        context, best = request.token_ids, None
+        for index in (self._index(request), self.shared.index):
+            tree, probs, score = index.lookup_tree(context, max_nodes, max_depth, self.max_match, self.min_prob,
+                                                   self.spec_factor)
+            if score >= self.min_score and (best is None or sum(probs) > sum(best[1])):
+                best = (tree, probs)
+        tree, probs = best or (DraftTree(), [])
+        self.trees.keep(request, tree, probs)
+        return tree, probs
 
     def _index(self, request: Request) -> SuffixIndex:
         own = self._own.get(request.request_id)

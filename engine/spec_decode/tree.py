@@ -1,4 +1,4 @@
-"""Draft trees and their lossless verification (issue 52; not yet wired into the engine's step).
+"""Draft trees, how the copying proposers build them, and their lossless verification.
 
 A draft tree holds several continuations of a request at once: node i is a token whose parent is
 node parents[i] (-1: the request's last token, the root). Verified in one target pass (a
@@ -24,7 +24,10 @@ the engine's.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+
+import numpy as np
 
 import torch
 from torch import Tensor
@@ -71,6 +74,23 @@ class DraftTree:
             node = self.parents[node]
         return nodes[::-1]
 
+    @property
+    def is_chain(self) -> bool:
+        """Every node the only child of the one before it: a plain draft chain."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def prefix(self, num_nodes: int) -> "DraftTree":
+        """The first num_nodes nodes (a tree: parents come before their children)."""
+        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], self.q[:num_nodes])
+
+    def fed_mask(self) -> np.ndarray:
+        """bool [1 + n, 1 + n]: which fed tokens (the root, then the nodes) each fed token sees, as
+        ForwardItem.tree_mask takes it."""
+        mask = np.zeros((len(self) + 1, len(self) + 1), dtype=bool)
+        mask[:, 0] = True
+        mask[1:, 1:] = self.ancestor_mask().numpy()
+        return mask
+
     def ancestor_mask(self) -> Tensor:
         """bool [n, n]: node i attends to node j when j is i or one of its ancestors (and to the whole
         context, which is not in this mask)."""
@@ -78,6 +98,77 @@ class DraftTree:
         for i in range(len(self)):
             mask[i, self.path(i)] = True
         return mask
+
+
+def best_first_tree(continuations: list[list[int]], max_nodes: int, max_depth: int, min_prob: float = 0.0
+                    ) -> tuple[DraftTree, list[float]]:
+    """What followed each earlier occurrence of the context's end (its continuations, most trusted
+    first) merged into a draft tree of deterministic nodes. A node's probability is the share of the
+    continuations that agree with its path: the empirical chance that the target takes that path.
+    Nodes are added best first (ties: the earlier continuation), up to max_nodes, max_depth deep and
+    down to min_prob, so every prefix of the tree is the best tree of its size. Returns the tree and
+    each node's probability (non-increasing)."""
+    tree, probs = DraftTree(), []
+    if not continuations or max_nodes <= 0 or max_depth <= 0:
+        return tree, probs
+    order = 0   # the heap's tie-break: first pushed, first added
+    frontier = [(-1.0, order, -1, -1, list(range(len(continuations))), 0)]   # (-p, order, parent, token, agreeing, depth)
+    while frontier and len(tree) < max_nodes:
+        neg_p, _, parent, token, agreeing, depth = heapq.heappop(frontier)
+        node = parent if token < 0 else tree.add(token, parent)
+        if token >= 0:
+            probs.append(-neg_p)
+        if depth == max_depth:
+            continue
+        groups: dict[int, list[int]] = {}
+        for c in agreeing:
+            if depth < len(continuations[c]):
+                groups.setdefault(continuations[c][depth], []).append(c)
+        for child_token, members in groups.items():   # in the order of their first continuation
+            p = -neg_p * len(members) / len(agreeing)
+            if p >= min_prob:
+                order += 1
+                heapq.heappush(frontier, (-p, order, node, child_token, members, depth + 1))
+    return tree, probs
+
+
+def confident_prefix(tree: DraftTree, probs: list[float], max_nodes: int, p_min: float) -> DraftTree:
+    """A best-first tree cut to the plan's budget and confidence stop: its first nodes, up to
+    max_nodes, while their probability stays at or above p_min (the first node always: the plan
+    asked for drafts, as a chain keeps its first draft)."""
+    keep = min(max_nodes, len(tree))
+    keep = next((i for i in range(1, keep) if probs[i] < p_min), keep)
+    return tree.prefix(keep)
+
+
+class BuiltTrees:
+    """A copying proposer's draft trees, built per request when the engine asks how many nodes it
+    can offer (max_drafts) and proposed, cut to the plan (confident_prefix), in the same step."""
+
+    def __init__(self):
+        self._built: dict[str, tuple[int, DraftTree, list[float]]] = {}   # request id -> (num_tokens, tree, probs)
+
+    def keep(self, request, tree: DraftTree, probs: list[float]) -> int:
+        self._built[request.request_id] = (request.num_tokens, tree, probs)
+        return len(tree)
+
+    def drafts(self, jobs, chain) -> tuple[list[list[int]], list["DraftTree | None"] | None]:
+        """Each job's drafts: its tree built this step, cut to the job, else chain(job); and the
+        trees (None where a job drafts a chain; None for all when none does)."""
+        drafts, trees = [], []
+        for job in jobs:
+            built = self._built.get(job.request.request_id)
+            tree = None
+            if built is not None and built[0] == job.request.num_tokens:
+                tree = confident_prefix(built[1], built[2], job.num_lookahead, job.p_min)
+                drafts.append(tree.tokens)
+            else:
+                drafts.append(chain(job))
+            trees.append(None if tree is None or tree.is_chain else tree)
+        return drafts, trees if any(t is not None for t in trees) else None
+
+    def forget(self, request_id: str) -> None:
+        self._built.pop(request_id, None)
 
 
 def verify_tree(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None = None,
@@ -111,7 +202,7 @@ def _sample_among(tree: DraftTree, children: list[int], p: Tensor, generator) ->
     for child in children:
         token, q = tree.tokens[child], tree.q[child]
         q_token = 1.0 if q is None else float(q[token])
-        if q_token > 0 and float(torch.rand((), generator=generator)) * q_token < float(p[token]):
+        if q_token > 0 and float(torch.rand((), generator=generator, device=p.device)) * q_token < float(p[token]):
             return child, token
         p = _residual(p, token, q)
     return None, int(torch.multinomial(p, 1, generator=generator))

@@ -1,0 +1,132 @@
+"""Draft trees in the engine's step (speculative.tree_nodes): n-gram and suffix drafts verified as
+trees give plain decoding's greedy output, with every accepted path's KV where the next step reads
+it (long outputs, preemption, the prefix cache's next turn); seeded requests keep their coupled
+output; logprobs are the plain ones. The sampled walk's distribution is checked by the chi-square
+tests in test_tree.py (the walk) and test_spec_decode.py (the engine)."""
+import random
+
+import pytest
+from helpers import make_scripted_checkpoint, make_tiny_checkpoint, run_requests
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tree") / "target", arch="qwen2", seed=0))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Contexts in which the last tokens occurred before with different continuations: branching trees."""
+    rng = random.Random(3)
+    out = []
+    for _ in range(4):
+        stem = [rng.randrange(256) for _ in range(3)]
+        tails = [[rng.randrange(256) for _ in range(4)] for _ in range(3)]
+        out.append([t for tail in tails for t in stem + tail] + stem)
+    return out + [[rng.randrange(256) for _ in range(n)] for n in (5, 17)]
+
+
+def tree_config(target: str, method: str, tree_nodes: int = 8, **engine) -> EngineConfig:
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False, "tree_nodes": tree_nodes,
+            "ngram_max": 3, "suffix_min_score": 1}
+    return EngineConfig(model=target, dtype="float32", speculative=spec, **engine)
+
+
+def generate(config: EngineConfig, prompts, params):
+    """Outputs, finals and the number of passes that verified a tree."""
+    engine = Engine(config)
+    trees = []
+    tokens, finals = run_requests(engine, prompts, params, lambda e: trees.append(e.last_stats.num_tree_drafts))
+    return tokens, finals, sum(trees)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    return generate(EngineConfig(model=target, dtype="float32"), prompts, GREEDY)[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
+def test_greedy_trees_are_lossless(target, prompts, plain, method):
+    tokens, finals, trees = generate(tree_config(target, method), prompts, GREEDY)
+    assert tokens == plain
+    assert trees > 0
+    assert sum(f.spec.accepted for f in finals) > 0
+
+
+def test_greedy_trees_are_lossless_under_kv_pressure(target, prompts, plain):
+    """Small blocks, a tight cache and token budget: trees across block edges, preemption and recomputation."""
+    config = tree_config(target, "ngram", block_size=4, num_kv_blocks=40, max_num_batched_tokens=32)
+    tokens, _, trees = generate(config, prompts, GREEDY)
+    assert tokens == plain and trees > 0
+
+
+def test_seeded_output_does_not_depend_on_the_tree(target, prompts):
+    """Coupled sampling: the tree walk accepts the target's own draw at each position."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
+    plain_seeded = generate(EngineConfig(model=target, dtype="float32"), prompts, params)[0]
+    tokens, _, trees = generate(tree_config(target, "ngram"), prompts, params)
+    assert tokens == plain_seeded and trees > 0
+
+
+def logprobs_of(config: EngineConfig, prompts, params) -> tuple[list[list], int]:
+    """Each request's logprobs as they streamed, and the passes that verified a tree."""
+    engine = Engine(config)
+    logprobs, trees = {str(i): [] for i in range(len(prompts))}, 0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs[out.request_id] += out.new_logprobs or []
+        trees += engine.last_stats.num_tree_drafts
+    return [logprobs[str(i)] for i in range(len(prompts))], trees
+
+
+def test_logprobs_of_a_tree_pass_are_the_plain_ones(target, prompts, plain):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    reference, _ = logprobs_of(EngineConfig(model=target, dtype="float32"), prompts, params)
+    mine, trees = logprobs_of(tree_config(target, "ngram"), prompts, params)
+    assert trees > 0
+    for ours, theirs, tokens in zip(mine, reference, plain):
+        assert [lp.token_id for lp in ours] == [lp.token_id for lp in theirs] == tokens
+        assert [lp.logprob for lp in ours] == pytest.approx([lp.logprob for lp in theirs], abs=1e-4)
+        assert [[t for t, _ in lp.top] for lp in ours] == [[t for t, _ in lp.top] for lp in theirs]
+
+
+def test_the_prefix_cache_never_holds_a_rejected_node(target, prompts):
+    """The next turn of a conversation reuses the first turn's cached blocks: with trees they must hold
+    the accepted path, not the nodes verified beside it."""
+    first, params = prompts[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = Engine(tree_config(target, "ngram", block_size=4))
+    reply, _ = run_requests(engine, [first], GREEDY)
+    follow_up = first + reply[0] + first[:6]
+    assert len(engine.pool.match_prefix(follow_up)) * 4 >= len(first) + len(reply[0]) - 4   # the reply's blocks cached
+    again, _ = run_requests(engine, [follow_up], params)
+    reference, _, _ = generate(EngineConfig(model=target, dtype="float32", enable_prefix_caching=False), [follow_up],
+                               params)
+    assert again == reference
+
+
+def test_a_tree_accepts_the_continuation_a_chain_misses(tmp_path):
+    """A scripted target writes "abcdefgh" after "Z". The prompt holds "Za" three times, followed by
+    "bcdefgh", "1" and "2": a chain drafts the newest continuation ("2Za", rejected), a tree holds all
+    three and accepts "bc" at once. Both give the target's output."""
+    model = str(make_scripted_checkpoint(tmp_path / "scripted", "abcdefgh"))
+    prompt, params = list(b"ZabcdefghZa1Za2Z"), SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = {}
+    for nodes in (0, 8):
+        tokens, finals, trees = generate(tree_config(model, "ngram", tree_nodes=nodes), [prompt], params)
+        outputs[nodes] = (tokens[0], finals[0].spec, trees)
+    (chain_tokens, chain, chain_trees), (tree_tokens, tree, trees) = outputs[0], outputs[8]
+    assert chain_tokens == tree_tokens == list(b"abcdefgh")
+    assert chain_trees == 0 and trees == 1
+    # the chain: "2Za" rejected, then "cdef" and "h"; the tree: "bc" and "d", then "efg" and "h"
+    assert (chain.accepted, chain.target_forwards) == (4, 3) and (tree.accepted, tree.target_forwards) == (5, 2)
