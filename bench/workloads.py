@@ -5,6 +5,10 @@ measured side by side in one run. Greedy decoding.
 
     python bench/workloads.py [--config configs/default.yaml] [--workloads agent,code,chat]
                               [--concurrency 1 8] [--gamma 8] [--json results.json]
+                              [--methods none,ngram,ngram+tree,suffix,suffix+tree --tree-nodes 16]
+
+A method named `<method>+tree` drafts trees of up to --tree-nodes nodes (speculative.tree_nodes); the
+summary then also gives its tokens/s over the same method's chains, run by run.
 
 The workloads are built here, deterministically (--seed), from what every install has:
 - agent: multi-turn tool-calling sessions. A system prompt lists tools as JSON schemas; each turn
@@ -192,11 +196,17 @@ def table(name: str, concurrency: int, runs: dict[str, Run]) -> tuple[list[str],
     return lines, figures
 
 
+def trees_over_chains(rounds: list[dict[str, Run]]) -> dict[str, str]:
+    """Each +tree method's tokens/s over its chain twin's, run by run (both in lock-step)."""
+    return {m: spread([r[m].rate / r[m.removesuffix("+tree")].rate for r in rounds])
+            for m in rounds[0] if m.endswith("+tree") and m.removesuffix("+tree") in rounds[0]}
+
+
 def versus_best_static(per_run: dict[str, list[float]]) -> str:
     """auto's tokens/s over the best single method's, run by run (every method but auto is static)."""
     if "auto" not in per_run or len(per_run) < 2:
         return "-"
-    statics = [m for m in per_run if m != "auto"]
+    statics = [m for m in per_run if not m.startswith("auto")]
     return spread([auto / max(per_run[m][r] for m in statics) for r, auto in enumerate(per_run["auto"])])
 
 
@@ -216,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="runs per workload and concurrency, each on sessions of its own (seed + r; chat: the "
                         "next questions), fresh engines each; the speedups' spread is printed")
     p.add_argument("--methods", default="none,draft,ngram,suffix,auto",
-                   help="comma-separated; method@gamma runs a method at its own gamma (e.g. ngram@8)")
+                   help="comma-separated; method@gamma runs a method at its own gamma (e.g. ngram@8); "
+                        "method+tree drafts trees (n-gram, suffix, auto)")
+    p.add_argument("--tree-nodes", type=int, default=16, help="speculative.tree_nodes of the +tree methods")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -227,11 +239,15 @@ def main(argv: list[str] | None = None) -> int:
                 "chat": lambda r: chat_sessions(args.chat_per_category, r)}
     wanted = {}
     for name in args.methods.split(","):   # "ngram@8": n-gram at gamma 8, beside the others at --gamma
-        method, _, gamma = name.partition("@")
+        base, tree = name.removesuffix("+tree"), name.endswith("+tree")
+        method, _, gamma = base.partition("@")
         wanted[name] = method_configs(config.speculative, int(gamma) if gamma else args.gamma)[method]
+        if tree:
+            wanted[name] = {**wanted[name], "tree_nodes": args.tree_nodes}
     lines = [f"# Workloads on {config.model} (draft {config.speculative.model}), greedy, max_tokens "
              f"{args.max_tokens}, gamma {args.gamma}"]
     results: dict = {}
+    tree_lines: list[str] = []
     summary = ["\n## Speedup over plain decoding per run, mean (min-max)\n",
                "| workload | streams | " + " | ".join(m for m in wanted if m != "none") + " | auto / best static |",
                "|---|---|" + "---|" * len(wanted)]
@@ -252,11 +268,19 @@ def main(argv: list[str] | None = None) -> int:
             per_run = speedups(rounds)
             summary.append(f"| {workload} | {concurrency} | " + " | ".join(spread(v) for v in per_run.values())
                            + f" | {versus_best_static(per_run)} |")
+            trees = trees_over_chains(rounds)
+            if trees:
+                tree_lines.append(f"| {workload} | {concurrency} | "
+                                  + " | ".join(f"{m}: {v}" for m, v in trees.items()) + " |")
+                figures["trees_over_chains_per_run"] = trees
             figures["speedup_per_run"] = per_run
             lines += block
             results[f"{workload}/c{concurrency}"] = figures
             print("\n".join(block + summary[-1:]), flush=True)
     lines += summary
+    if tree_lines:
+        lines += ["\n## Trees over chains (tokens/s, same method, per run), mean (min-max)\n",
+                  "| workload | streams | ratios |", "|---|---|---|", *tree_lines]
     if "draft" in wanted:
         draft = {key: f["draft"]["acceptance"] for key, f in results.items() if "draft" in f}
         lines.append("\ndraft model acceptance by workload: "
