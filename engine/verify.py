@@ -20,7 +20,7 @@ from engine.sampler import SamplingTensors, apply_penalties, compute_logprobs, e
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.base import Proposal
 from engine.spec_decode.rejection import rejection_sample
-from engine.spec_decode.tree import DraftTree, verify_tree
+from engine.spec_decode.tree import DraftTree, target_choices, verify_tree
 from engine.structured import mask_logits
 
 
@@ -131,14 +131,16 @@ def _accept_tree(target: ModelRunner, request, tree: DraftTree, rows: torch.Tens
                  i: int) -> None:
     """Walk one request's draft tree against its rows (the root's, then each node's), then copy the
     accepted path's KV to the consecutive positions after the root."""
-    params = request.params
-    probs = rows   # greedy walks read argmaxes only
+    params, probs, choices = request.params, None, None
     if not params.greedy:
         probs = warp_probs(rows, SamplingTensors.from_params([params] * len(rows), rows.device))
-    coupled = None
-    if request.noise is not None:
-        coupled = [request.noise.at(request.num_output_tokens + d) for d in range(max(tree.depths()) + 1)]
-    tokens, accepted = verify_tree(tree, probs, request.generator, params.greedy, coupled)
+    if params.greedy:
+        choices = target_choices(rows, tree.depths())
+    elif request.noise is not None:   # seeded: the target's own draw at each output position
+        depths = tree.depths()
+        noise = [request.noise.at(request.num_output_tokens + d) for d in range(max(depths) + 1)]
+        choices = target_choices(probs, depths, noise)
+    tokens, accepted = verify_tree(tree, probs, request.generator, choices)
     result.token_ids[i], result.num_accepted[i] = tokens, len(accepted)
     if params.logprobs is not None:
         result.logprobs[i] = _logprobs(rows[[0] + [1 + node for node in accepted]], tokens, params.logprobs)

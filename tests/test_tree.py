@@ -12,7 +12,7 @@ import torch
 from helpers import pooled_chisquare
 
 import engine.spec_decode.tree as tree_module
-from engine.spec_decode.tree import DraftTree, verify_tree
+from engine.spec_decode.tree import DraftTree, target_choices, verify_tree
 
 VOCAB = 6
 
@@ -77,7 +77,7 @@ def test_greedy_and_coupled_walks_give_plain_decodings_tokens(coupled):
         context = (trial % 5, trial % 3)
         tree = random_tree(rng, context, generator, sampled=False)
         noise = [torch.empty(VOCAB).exponential_(generator=generator) for _ in range(5)] if coupled else None
-        emitted, accepted = verify_tree(tree, rows(tree, context), greedy=not coupled, coupled=noise)
+        emitted, accepted = verify_tree(tree, choices=target_choices(rows(tree, context), tree.depths(), noise))
         plain, prefix = [], context
         for position in range(len(emitted)):   # plain decoding, token by token
             p = target(prefix)

@@ -171,30 +171,36 @@ class BuiltTrees:
         self._built.pop(request_id, None)
 
 
-def verify_tree(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None = None,
-                greedy: bool = False, coupled: list[Tensor] | None = None) -> tuple[list[int], list[int]]:
-    """Walk the tree against the target. target_probs: [1 + n, vocab], row 0 after the root, row 1 + i
-    after node i (warped: what plain decoding samples from). coupled: for seeded requests, the noise
-    E of each output position from here (the target's draw at depth d is argmax(p / E_d)).
-    Returns the emitted tokens (the accepted path, then one more) and the accepted nodes."""
+def target_choices(rows: Tensor, depths: list[int], noise: list[Tensor] | None = None) -> list[int]:
+    """The target's own token after the root and after each node, for the deterministic walks: the
+    argmax of each row (greedy), or with noise (seeded requests: the noise E_d of each output position
+    from here) argmax(p / E_depth), p the warped rows. depths: each node's (the root's row is depth 0)."""
+    if noise is None:
+        return rows.argmax(dim=-1).tolist()
+    by_row = torch.stack([noise[d] for d in [0] + depths])
+    return (rows.float() / by_row).argmax(dim=-1).tolist()
+
+
+def verify_tree(tree: DraftTree, target_probs: Tensor | None = None, generator: torch.Generator | None = None,
+                choices: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """Walk the tree against the target. choices (greedy and seeded requests, from target_choices):
+    accept the child whose token is the target's own choice. Otherwise target_probs: [1 + n, vocab],
+    row 0 after the root, row 1 + i after node i (warped: what plain decoding samples from), judged by
+    multi-candidate rejection sampling. Returns the emitted tokens (the accepted path, then one more)
+    and the accepted nodes."""
     tokens, accepted, node = [], [], -1
     while True:
-        p = target_probs[node + 1].float()
         children = tree.children(node)
-        if greedy or coupled is not None:
-            choice = _deterministic_choice(p, coupled[len(tokens)] if coupled is not None else None)
+        if choices is not None:
+            choice = choices[node + 1]
             child = next((c for c in children if tree.tokens[c] == choice), None)
         else:
-            child, choice = _sample_among(tree, children, p, generator)
+            child, choice = _sample_among(tree, children, target_probs[node + 1].float(), generator)
         if child is None:
             return tokens + [choice], accepted
         tokens.append(tree.tokens[child])
         accepted.append(child)
         node = child
-
-
-def _deterministic_choice(p: Tensor, noise: Tensor | None) -> int:
-    return int(p.argmax()) if noise is None else int((p / noise).argmax())
 
 
 def _sample_among(tree: DraftTree, children: list[int], p: Tensor, generator) -> tuple[int | None, int]:
