@@ -174,7 +174,8 @@ class AttentionMetadata:
     kernel_rows: bool = False             # groups: the decode-shaped rows of a pass with prefill chunks are a
                                           # kernel group (rope_paged_attention takes the pass group by group)
     tree_bits: torch.Tensor | None = None  # kernel, draft trees: [T] int64, bit j of a row = it sees its
-                                           # sequence's fed token j (None: causal)
+                                           # sequence's tree position j (None: causal)
+    tree_cols: torch.Tensor | None = None  # ... [B] int32: each sequence's tree positions, its last ones
 
     @property
     def num_seqs(self) -> int:
@@ -184,25 +185,30 @@ class AttentionMetadata:
     def build_tree(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                    block_size: int, device: torch.device, tree_masks: list[np.ndarray | None],
                    sliding_window: int | None = None, kernel: bool = False) -> "AttentionMetadata":
-        """A pass in which some sequences feed a draft tree: tree_masks[b] (bool [q_len, q_len] or None:
-        causal) says which of its fed tokens each fed token sees; every fed token sees the whole
-        context before them. kernel (as for build): a decode-shaped pass goes to the attention kernel
-        with each row's visible fed tokens as bits; otherwise the padded torch path with one mask (no
+        """A pass in which some sequences feed (part of) a draft tree: tree_masks[b] (bool [q_len, cols],
+        or None: causal) says which of the sequence's last `cols` positions, the tree's, each fed token
+        sees (the fed tokens are the last q_len of them); every fed token sees the whole context before
+        the tree. kernel (as for build): a decode-shaped pass goes to the attention kernel with each
+        row's visible tree positions as bits; otherwise the padded torch path with one mask (no
         flash-attn, no window)."""
         if sliding_window is not None and max(seq_lens) > sliding_window:
             raise ValueError("tree verification does not support sliding-window attention yet")
-        for b, (tree, q_len) in enumerate(zip(tree_masks, query_lens)):
-            if tree is not None and (tree.shape != (q_len, q_len) or not tree.diagonal().all()):
-                raise ValueError(f"tree mask {b}: a [{q_len}, {q_len}] mask in which each token sees itself")
+        for b, (tree, q_len, s_len) in enumerate(zip(tree_masks, query_lens, seq_lens)):
+            if tree is not None and not (tree.ndim == 2 and tree.shape[0] == q_len <= tree.shape[1] <= min(s_len, 64)
+                                         and tree[:, -q_len:].diagonal().all()):
+                raise ValueError(f"tree mask {b}: [{q_len}, cols] with {q_len} <= cols <= 64 in which each fed "
+                                 "token sees itself")
         if kernel and TORCH_ATTENTION == "auto" and max(query_lens) <= SEQUENCE_MAX_QUERY:
             meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, False, None, "kernel")
             meta.tree_bits = torch.from_numpy(np.concatenate([_tree_bits(tree, q_len) for tree, q_len
                                                               in zip(tree_masks, query_lens)])).to(device)
+            meta.tree_cols = torch.tensor([q_len if tree is None else tree.shape[1] for tree, q_len
+                                           in zip(tree_masks, query_lens)], dtype=torch.int32, device=device)
             return meta
         meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, False, None, "tree")
         for b, (tree, q_len, s_len) in enumerate(zip(tree_masks, query_lens, seq_lens)):
             if tree is not None:
-                meta.attn_mask[b, 0, :q_len, s_len - q_len:s_len] = torch.from_numpy(tree).to(device)
+                meta.attn_mask[b, 0, :q_len, s_len - tree.shape[1]:s_len] = torch.from_numpy(tree).to(device)
         return meta
 
     @classmethod
@@ -371,10 +377,11 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeM
 
 
 def _tree_bits(tree: np.ndarray | None, q_len: int) -> np.ndarray:
-    """int64 [q_len]: bit j of row i set where fed token i sees fed token j (causal rows without a tree)."""
+    """int64 [q_len]: bit j of row i set where fed token i sees tree position j (causal rows without a
+    tree: their fed tokens are the tree positions)."""
     if tree is None:
         return (np.int64(1) << np.arange(1, q_len + 1, dtype=np.int64)) - 1
-    return (tree.astype(np.int64) << np.arange(q_len, dtype=np.int64)).sum(axis=1)
+    return (tree.astype(np.int64) << np.arange(tree.shape[1], dtype=np.int64)).sum(axis=1)
 
 
 def _torch_path(device: torch.device) -> str:
@@ -417,7 +424,7 @@ def rope_paged_attention(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tenso
     if isinstance(meta, AttentionMetadata) and meta.kernel:
         return cpu_kernels.extension().rope_paged_attention(
             qk, value, cos, sin_signed, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-            meta.block_tables, num_heads, scale, sliding_window or 0, meta.tree_bits)
+            meta.block_tables, num_heads, scale, sliding_window or 0, meta.tree_bits, meta.tree_cols)
     if isinstance(meta, AttentionMetadata) and meta.kernel_rows:
         return _rope_attention_by_group(qk, value, cos, sin_signed, kv_cache, meta, num_heads, scale, sliding_window)
     query, key = apply_rope(qk, cos, sin_signed).split([num_heads, qk.shape[1] - num_heads], dim=1)

@@ -25,8 +25,10 @@ class ForwardItem:
     start_pos: int           # absolute position of token_ids[0]
     block_table: list[int]
     num_logits: int          # logits wanted for the last num_logits fed tokens (0: none)
-    # A draft tree: which fed tokens each fed token sees (bool [n, n]; None: causal). A token's position
-    # is start_pos + (the fed tokens it sees) - 1; its KV slot stays start_pos + its index.
+    # A draft tree over the sequence's last `cols` positions, the fed tokens the last n of them (nodes fed
+    # in earlier passes before them): bool [n, cols], which tree positions each fed token sees (None:
+    # causal). A fed token's position is the tree's first position + (the tree positions it sees) - 1;
+    # its KV slot stays start_pos + its index.
     tree_mask: np.ndarray | None = None
 
 
@@ -138,8 +140,10 @@ class ModelRunner:
 
 
 def _positions(item: ForwardItem, num_tokens: int) -> np.ndarray:
-    """Each fed token's position: consecutive, or in a tree its depth (the fed tokens it sees, less one)."""
+    """Each fed token's position: consecutive, or in a tree the tree's first position plus its depth
+    (the tree positions it sees, less one)."""
     if item.tree_mask is None:
         return np.arange(item.start_pos, item.start_pos + num_tokens)
-    return item.start_pos + item.tree_mask.sum(axis=1) - 1
+    tree_start = item.start_pos + num_tokens - item.tree_mask.shape[1]
+    return tree_start + item.tree_mask.sum(axis=1) - 1
 

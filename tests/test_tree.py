@@ -209,3 +209,34 @@ def test_the_accepted_paths_kv_moves_where_the_next_step_reads_it(tmp_path):
     runner.forward([ForwardItem(fed, start, other, len(fed), mask)])
     unmoved = runner.forward([ForwardItem([21], len(context) + len(path), other, 1)])[0]
     assert not torch.allclose(unmoved, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["kernel", "padded"])
+def test_a_tree_fed_level_by_level_gives_each_node_its_paths_logits(tmp_path, monkeypatch, path):
+    """As a draft model grows a tree: each pass feeds one depth's nodes after the ones fed before, its
+    mask over all the tree's positions so far (ForwardItem.tree_mask [fed, cols]); every node gets
+    the logits of a plain pass over the context and its path."""
+    from helpers import make_tiny_checkpoint
+
+    from engine import LLM, attention
+    from engine.model_runner import ForwardItem
+
+    monkeypatch.setattr(attention, "TORCH_ATTENTION", "auto" if path == "kernel" else path)
+    runner = LLM(str(make_tiny_checkpoint(tmp_path / "t", arch="llama", seed=8)), dtype="float32", device="cpu",
+                 num_kv_blocks=64, block_size=4, skip_tokenizer_init=True).engine.target
+    context, table = list(range(40, 57)), [3, 4, 5, 6, 7, 8, 9]
+    runner.forward([ForwardItem(context, 0, table, 1)])   # the root (the context's last token) computed
+    tree = DraftTree()
+    tree.add(7), tree.add(9)                      # depth 1
+    tree.add(11, 0), tree.add(12, 0), tree.add(13, 1)   # depth 2
+    tree.add(14, 2)                               # depth 3
+    levels, logits = [(0, 2), (2, 5), (5, 6)], {}
+    full = tree.ancestor_mask().numpy()
+    for lo, hi in levels:
+        item = ForwardItem(tree.tokens[lo:hi], len(context) + lo, table, hi - lo, full[lo:hi, :hi])
+        for node, row in zip(range(lo, hi), runner.forward([item])):
+            logits[node] = row
+    for node in range(len(tree)):
+        tokens = context + [tree.tokens[n] for n in tree.path(node)]
+        reference = runner.forward([ForwardItem(tokens, 0, [20, 21, 22, 23, 24, 25], 1)])[0]
+        torch.testing.assert_close(logits[node], reference, rtol=1e-4, atol=1e-4)

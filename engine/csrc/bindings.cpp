@@ -18,5 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RoPE, keys and values into the paged cache, causal (or tree) attention over each sequence's pages (fp32)",
         py::arg("qk"), py::arg("value"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
         py::arg("query_start"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("num_heads"), py::arg("scale"),
-        py::arg("window"), py::arg("tree_bits") = py::none());
+        py::arg("window"), py::arg("tree_bits") = py::none(), py::arg("tree_cols") = py::none());
 }

@@ -10,8 +10,8 @@
 //   rope_paged_attention  neox RoPE on queries and keys, keys and values into their cache slots, and
 //                         causal attention of every query row over its sequence's pages where they
 //                         lie (no gather), the query heads sharing a KV head together; or, for a
-//                         sequence that feeds a draft tree, attention to the context and the fed
-//                         tokens its row's tree bits name (its ancestors and itself)
+//                         sequence that feeds (part of) a draft tree, attention to the context before
+//                         the tree and the tree positions its row's bits name (its ancestors, itself)
 //
 // The attention is flash-style: keys in chunks of CHUNK, a running max and sum per query row, so
 // memory stays small at any context. A row's result does not depend on the other rows of the pass,
@@ -134,8 +134,8 @@ struct PagedCache {
 // terms as a causal pass over that path (at other key offsets: equal up to rounding).
 void attend(const PagedCache& cache, const float* queries, float* out, const int32_t* table, int64_t q_begin,
             int64_t q_len, int64_t seq_len, int64_t head, int64_t group, int64_t num_heads, int64_t window,
-            const int64_t* tree_bits) {
-  const int64_t D = cache.head_dim, rows = q_len * group, first_pos = seq_len - q_len;
+            const int64_t* tree_bits, int64_t tree_cols) {
+  const int64_t D = cache.head_dim, rows = q_len * group, first_pos = seq_len - q_len, tree_pos = seq_len - tree_cols;
   std::vector<float> acc(rows * D, 0.f), scores(CHUNK), max(rows, NEG_INF), sum(rows, 0.f);
   const float* keys[CHUNK];
   const float* values[CHUNK];
@@ -158,8 +158,8 @@ void attend(const PagedCache& cache, const float* queries, float* out, const int
         for (int64_t j = 0; j < std::min<int64_t>(visible, position - window + 1 - c0); ++j) scores[j] = NEG_INF;
       if (tree_bits != nullptr) {
         const uint64_t bits = uint64_t(tree_bits[q_begin + i]);
-        for (int64_t j = std::max<int64_t>(0, first_pos - c0); j < visible; ++j)
-          if (!((bits >> (c0 + j - first_pos)) & 1)) scores[j] = NEG_INF;
+        for (int64_t j = std::max<int64_t>(0, tree_pos - c0); j < visible; ++j)
+          if (!((bits >> (c0 + j - tree_pos)) & 1)) scores[j] = NEG_INF;
       }
       absorb(scores.data(), visible, values, D, acc.data() + r * D, max[r], sum[r]);
     }
@@ -235,7 +235,8 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor&
                                    const torch::Tensor& slot_mapping, const torch::Tensor& query_start,
                                    const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
                                    int64_t num_heads, double scale, int64_t window,
-                                   const c10::optional<torch::Tensor>& tree_bits) {
+                                   const c10::optional<torch::Tensor>& tree_bits,
+                                   const c10::optional<torch::Tensor>& tree_cols) {
   TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat && kv_cache.dim() == 5 && kv_cache.is_contiguous() &&
                   kv_cache.size(0) == 2, "kv_cache: contiguous fp32 [2, blocks, block_size, H_kv, D]");
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3), D = kv_cache.size(4);
@@ -258,9 +259,12 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor&
   if (tree_bits) {
     TORCH_CHECK(tree_bits->scalar_type() == torch::kLong && tree_bits->numel() == T && tree_bits->is_contiguous(),
                 "tree_bits: contiguous int64 [T]");
+    TORCH_CHECK(tree_cols && tree_cols->scalar_type() == torch::kInt && tree_cols->numel() == B &&
+                    tree_cols->is_contiguous(), "tree_cols: contiguous int32 [B] with tree_bits");
     TORCH_CHECK(window == 0, "tree attention takes no sliding window");
   }
   const int64_t* bits = tree_bits ? tree_bits->data_ptr<int64_t>() : nullptr;
+  const int32_t* cols = tree_bits ? tree_cols->data_ptr<int32_t>() : nullptr;
   auto out = torch::empty({T, num_heads, D}, qk.options());
   PagedCache cache{kv_cache.data_ptr<float>(), kv_cache.data_ptr<float>() + kv_cache.stride(0), block_size,
                    num_kv_heads, D};
@@ -287,7 +291,7 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor&
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, head = item % num_kv_heads;
       attend(cache, queries, queries, tables + b * width, starts[b], starts[b + 1] - starts[b], lens[b], head, group,
-             num_heads, window, bits);
+             num_heads, window, bits, cols ? cols[b] : 0);
     }
   });
   return out;

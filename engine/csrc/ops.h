@@ -35,6 +35,7 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor&
                                    const torch::Tensor& slot_mapping, const torch::Tensor& query_start,
                                    const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
                                    int64_t num_heads, double scale, int64_t window,
-                                   const c10::optional<torch::Tensor>& tree_bits);
+                                   const c10::optional<torch::Tensor>& tree_bits,
+                                   const c10::optional<torch::Tensor>& tree_cols);
 
 }  // namespace specserve
