@@ -363,6 +363,8 @@ SAMPLING_CASES = {   # (sampling fields, draft config extras or None for n-gram,
     "seeded-ngram": (dict(temperature=0.9, top_k=10), None, True),
     "mixed-draft-and-ngram": (dict(temperature=0.9, top_k=10), "mixed", False),
     "ngram-tree": (dict(temperature=0.9, top_k=10), "tree", False),
+    "draft-tree": (dict(temperature=0.8, top_k=12), {"tree_nodes": 6}, False),
+    "seeded-draft-tree": (dict(temperature=0.9, top_p=0.9), {"tree_nodes": 6}, True),
     "seeded-ngram-tree": (dict(temperature=0.9, top_p=0.9), "tree", True),
 }
 
@@ -390,13 +392,14 @@ def run_case(target: str, draft: str, case: str, num: int = SAMPLES) -> tuple[np
 def test_speculative_sampling_matches_target_distribution(small_vocab_pair, case):
     counts, acceptance, probs = run_case(*small_vocab_pair, case)
     # acceptance where every branch of the sampler runs often (measured: draft 0.54-0.64, rejection
-    # sampling and coupled alike; n-gram 0.32; n-gram trees, per node, 0.24)
+    # sampling and coupled alike; n-gram 0.32; trees, per node: n-gram 0.24, draft model 0.21)
     kind = SAMPLING_CASES[case][1]
-    lowest = 0.4 if isinstance(kind, dict) else 0.15 if kind == "tree" else 0.25
+    lowest = 0.15 if kind == "tree" or isinstance(kind, dict) and kind.get("tree_nodes") else \
+        0.4 if isinstance(kind, dict) else 0.25
     assert lowest <= acceptance <= 0.8, acceptance
     if case.startswith("mixed"):
         assert sample_sequences.mixed_passes > 0
-    if kind == "tree":
+    if kind == "tree" or isinstance(kind, dict) and kind.get("tree_nodes"):
         assert sample_sequences.tree_drafts > 0
     pvalues = position_pvalues(counts, probs)
     assert min(pvalues.values()) > P_MIN, pvalues

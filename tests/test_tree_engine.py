@@ -130,3 +130,36 @@ def test_a_tree_accepts_the_continuation_a_chain_misses(tmp_path):
     assert chain_trees == 0 and trees == 1
     # the chain: "2Za" rejected, then "cdef" and "h"; the tree: "bc" and "d", then "efg" and "h"
     assert (chain.accepted, chain.target_forwards) == (4, 3) and (tree.accepted, tree.target_forwards) == (5, 2)
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory, target):
+    root = tmp_path_factory.mktemp("tree_drafts")
+    return {"copy": target, "random": str(make_tiny_checkpoint(root / "draft", arch="llama", seed=7, num_layers=1,
+                                                               hidden_size=32, num_heads=2, num_kv_heads=1))}
+
+
+def draft_tree_config(target: str, draft: str, tree_nodes: int = 8, **engine) -> EngineConfig:
+    spec = {"method": "draft", "model": draft, "num_speculative_tokens": 4, "adaptive": False,
+            "tree_nodes": tree_nodes}
+    return EngineConfig(model=target, dtype="float32", speculative=spec, **engine)
+
+
+@pytest.mark.parametrize("draft", ["copy", "random"])
+def test_greedy_draft_model_trees_are_lossless(target, prompts, plain, drafts, draft):
+    """Trees grown from the draft model's top tokens, a depth per draft forward: plain decoding's output;
+    a copy of the target as the draft has every path's first node accepted."""
+    tokens, finals, trees = generate(draft_tree_config(target, drafts[draft]), prompts, GREEDY)
+    assert tokens == plain and trees > 0
+    if draft == "copy":   # its best path is the target's: at least as many tokens per pass as a chain of 4
+        assert all(f.spec.target_forwards <= -(-(MAX_TOKENS - 1) // 5) for f in finals)
+
+
+def test_draft_model_trees_under_kv_pressure_and_seeded(target, prompts, plain, drafts):
+    config = draft_tree_config(target, drafts["random"], block_size=4, num_kv_blocks=48, max_num_batched_tokens=32)
+    tokens, _, trees = generate(config, prompts, GREEDY)
+    assert tokens == plain and trees > 0
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11, ignore_eos=True)
+    plain_seeded = generate(EngineConfig(model=target, dtype="float32"), prompts, params)[0]
+    tokens, _, trees = generate(draft_tree_config(target, drafts["random"]), prompts, params)
+    assert tokens == plain_seeded and trees > 0

@@ -6,7 +6,10 @@ is valid for each request (a cursor). It catches up lazily: a request it has not
 while (the policy chose n-gram or plain decoding) first gets every token it has not seen, in
 the same batched forward as the others' last token; then one token per sequential batched forward.
 A request stops drafting early when the draft is unsure: once the product of the draft's
-probabilities of its own tokens falls below the plan's p_min (the confidence stop). A constrained
+probabilities of its own tokens falls below the plan's p_min (the confidence stop). A request the
+engine offers a draft tree (speculative.tree_nodes) gets one grown from the draft's top tokens
+(tree_growth.py): a forward per depth over the frontier's nodes, under the tree's mask; the draft's
+cache then holds the tree, so its cursor stays at the root and the accepted path is fed again. A constrained
 request (structured outputs) drafts from the draft's distribution under its grammar's mask, so it
 never proposes a token verification would cut, and q is that masked distribution.
 """
@@ -21,6 +24,7 @@ from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample, warp_probs
 from engine.spec_decode.base import DraftJob, Proposal
+from engine.spec_decode.tree_growth import TreeGrowth
 from engine.structured import mask_logits
 from engine.step_costs import DraftForward
 
@@ -33,6 +37,7 @@ class DraftModelProposer:
         self.target_vocab_size = target_vocab_size
         self.draft_temperature = draft_temperature
         self._cursors: dict[str, tuple[int, int]] = {}   # request id -> (its preemption count, valid tokens)
+        self._tree_depths: dict[str, tuple[int, int]] = {}   # request id -> (num_tokens, depth limit): a tree this step
 
     # ---- the lifecycle ------------------------------------------------------------
     def cursor(self, request: Request) -> int:
@@ -46,7 +51,12 @@ class DraftModelProposer:
     def _set_cursor(self, request: Request, valid: int) -> None:
         self._cursors[request.request_id] = (request.num_preemptions, valid)
 
-    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:   # chains only
+    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
+        """limit drafts; with max_nodes, a tree of that many nodes at most limit deep, grown when it proposes."""
+        if max_nodes > 1:
+            self._tree_depths[request.request_id] = (request.num_tokens, limit)
+            return max_nodes
+        self._tree_depths.pop(request.request_id, None)
         return limit
 
     def catch_up_tokens(self, request: Request) -> int:
@@ -58,9 +68,36 @@ class DraftModelProposer:
 
     def on_finish(self, request_id: str) -> None:
         self._cursors.pop(request_id, None)
+        self._tree_depths.pop(request_id, None)
 
     # ---- drafting ----------------------------------------------------------------
     def propose(self, items: list[DraftJob]) -> Proposal:
+        growing = [a for a, item in enumerate(items) if self._tree_depth(item)]
+        if not growing:
+            return self._propose_chains(items)
+        if len(growing) == len(items):
+            return self._propose_trees(items)
+        chained = [a for a in range(len(items)) if a not in growing]
+        chains, trees = self._propose_chains([items[a] for a in chained]), self._propose_trees([items[a] for a in growing])
+        drafts, forwards = [[] for _ in items], chains.forwards + trees.forwards
+        for rows, part in ((chained, chains), (growing, trees)):
+            for a, tokens in zip(rows, part.draft_token_ids):
+                drafts[a] = tokens
+        all_trees = [None] * len(items)
+        for a, tree in zip(growing, trees.trees or [None] * len(growing)):
+            all_trees[a] = tree
+        probs = None
+        if chains.draft_probs is not None:   # tree nodes are deterministic: zero rows
+            probs = chains.draft_probs.new_zeros(len(items), *chains.draft_probs.shape[1:])
+            probs[torch.tensor(chained, device=probs.device)] = chains.draft_probs
+        return Proposal(drafts, probs, forwards, all_trees if any(t is not None for t in all_trees) else None)
+
+    def _tree_depth(self, item: DraftJob) -> int:
+        """The depth limit of the tree this job grows; 0: a chain."""
+        num_tokens, depth = self._tree_depths.get(item.request.request_id, (-1, 0))
+        return depth if num_tokens == item.request.num_tokens and item.num_lookahead > 1 else 0
+
+    def _propose_chains(self, items: list[DraftJob]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in items]
         max_k = max(item.num_lookahead for item in items)
         requests = [item.request for item in items]
@@ -94,6 +131,52 @@ class DraftModelProposer:
             rows, catch_up, started = len(active), 0, work_clock()
             logits = self._fit_vocab(self._feed_drafts([items[a] for a in active], [drafts[a] for a in active]))
         return Proposal(drafts, draft_probs, forwards)
+
+    def _propose_trees(self, items: list[DraftJob]) -> Proposal:
+        """A tree per job, grown a depth per forward; every job's frontier in one batched forward."""
+        rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
+        started = work_clock()
+        logits = self._fit_vocab(self._catch_up(items))
+        growths = [TreeGrowth(item.num_lookahead, self._tree_depth(item), item.p_min, item.request.eos_token_ids)
+                   for item in items]
+        feeding, forwards = list(range(len(items))), []
+        while True:
+            probs = self._confidences(logits, [items[g].request for g in feeding for _ in growths[g].frontier])
+            top, tokens = probs.topk(min(max(growths[g].room for g in feeding), probs.shape[-1]), dim=-1)
+            top, tokens, row = top.tolist(), tokens.tolist(), 0
+            for g in feeding:
+                width = len(growths[g].frontier)
+                growths[g].expand(list(zip(tokens[row:row + width], top[row:row + width])))
+                row += width
+            forwards.append(DraftForward(self.method, rows, catch_up, work_clock() - started))
+            feeding = [g for g in feeding if growths[g].frontier]
+            if not feeding:
+                break
+            started, catch_up = work_clock(), 0
+            rows = sum(len(growths[g].frontier) for g in feeding)
+            logits = self._fit_vocab(self._feed_tree([items[g] for g in feeding], [growths[g] for g in feeding]))
+        grown = [growth.result()[0] for growth in growths]
+        return Proposal([tree.tokens for tree in grown], None, forwards,
+                        [None if tree.is_chain else tree for tree in grown])
+
+    def _confidences(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The draft's distribution of each row's next token, as it would draw it: softmax for
+        greedy requests, warped by the request's (draft) sampling settings for the others."""
+        params = [self._draft_params(r.params) for r in requests]
+        if all(p.greedy for p in params):
+            return logits.float().softmax(dim=-1)
+        return warp_probs(logits, SamplingTensors.from_params(params, logits.device))
+
+    def _feed_tree(self, items: list[DraftJob], growths: list[TreeGrowth]) -> torch.Tensor:
+        """Feed each job's frontier (its tree's newest nodes, at the slots after the nodes before them),
+        each seeing the context and its ancestors; logits for their children. The cursor stays at the
+        root: these positions hold guesses."""
+        forward = []
+        for item, growth in zip(items, growths):
+            request, frontier = item.request, growth.frontier
+            forward.append(ForwardItem([growth.tree.tokens[n] for n in frontier], request.num_tokens + frontier[0],
+                                       request.block_table, len(frontier), growth.feed_mask()))
+        return self.runner.forward(forward)
 
     @staticmethod
     def _sampled_choice(logits: torch.Tensor, requests: list[Request], params: list, step: int,

@@ -32,6 +32,10 @@ class EagleProposer(DraftModelProposer):
         self.target = target
         self._chain: dict[str, torch.Tensor] = {}   # during a proposal: each request's newest head output [H]
 
+    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
+        """Chains only: a tree's nodes would each need the head's output at their parent as a feature."""
+        return limit
+
     def catch_up_tokens(self, request: Request) -> int:
         # The first forward always feeds the newest computed position; past that, each position the
         # head has not seen with the target's feature (one plus the accepted drafts, every step).
