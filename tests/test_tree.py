@@ -240,3 +240,32 @@ def test_a_tree_fed_level_by_level_gives_each_node_its_paths_logits(tmp_path, mo
         tokens = context + [tree.tokens[n] for n in tree.path(node)]
         reference = runner.forward([ForwardItem(tokens, 0, [20, 21, 22, 23, 24, 25], 1)])[0]
         torch.testing.assert_close(logits[node], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_rows_equal_chain_rows_bit_for_bit_in_the_kernel(tmp_path):
+    """The attention kernel reads a tree row's context and path as a chain row reads its consecutive
+    positions: every node's logits equal, bit for bit, those of a chain verification pass over its
+    path (and so plain decoding's, which chains equal), so greedy output with trees is plain decoding's
+    whatever near ties the numerics meet."""
+    from helpers import make_tiny_checkpoint
+
+    from engine import LLM
+    from engine.model_runner import ForwardItem
+
+    runner = LLM(str(make_tiny_checkpoint(tmp_path / "t", arch="qwen3", seed=9)), dtype="float32", device="cpu",
+                 num_kv_blocks=64, block_size=4, skip_tokenizer_init=True).engine.target
+    assert runner.fused_ops
+    context = list(range(60, 76))                 # 4 blocks, shared by the tree's table and the chains'
+    runner.forward([ForwardItem(context[:-1], 0, [3, 4, 5, 6], 1)])
+    tree = DraftTree()
+    a, b = tree.add(7), tree.add(9)
+    a1, b1 = tree.add(11, a), tree.add(13, b)
+    tree.add(12, a), tree.add(15, b1)
+    start = len(context) - 1
+    logits = runner.forward([ForwardItem([context[-1]] + tree.tokens, start, [3, 4, 5, 6, 7, 8], len(tree) + 1,
+                                         tree.fed_mask())])
+    for node in range(len(tree)):
+        path = [tree.tokens[n] for n in tree.path(node)]
+        chain = runner.forward([ForwardItem([context[-1]] + path, start, [3, 4, 5, 6, 9, 10], len(path) + 1)])
+        assert torch.equal(logits[1 + node], chain[-1]), node
+        assert torch.equal(logits[0], chain[0])

@@ -9,9 +9,8 @@
 //   silu_mul              silu(gate) * up of the MLP's fused gate_up projection
 //   rope_paged_attention  neox RoPE on queries and keys, keys and values into their cache slots, and
 //                         causal attention of every query row over its sequence's pages where they
-//                         lie (no gather), the query heads sharing a KV head together; or, for a
-//                         sequence that feeds (part of) a draft tree, attention to the context before
-//                         the tree and the tree positions its row's bits name (its ancestors, itself)
+//                         lie (no gather), the query heads sharing a KV head together; a draft
+//                         tree's rows each over the context and their own path (see attend)
 //
 // The attention is flash-style: keys in chunks of CHUNK, a running max and sum per query row, so
 // memory stays small at any context. A row's result does not depend on the other rows of the pass,
@@ -127,11 +126,20 @@ struct PagedCache {
   inline int64_t offset(int64_t slot, int64_t head) const { return (slot * num_kv_heads + head) * head_dim; }
 };
 
+inline const float* slot_row(const float* base, const PagedCache& cache, const int32_t* table, int64_t pos,
+                             int64_t head) {
+  return base + cache.offset(int64_t(table[pos / cache.block_size]) * cache.block_size + pos % cache.block_size, head);
+}
+
 // Attention of sequence b's rows for KV head `head`: rows r = i * G + g (query i, head head * G + g),
-// query i at position seq_len - q_len + i sees keys (position - window, position]. With tree_bits
-// (a tree's fed tokens), query i sees the context before the fed tokens and fed token j only where
-// bit j of tree_bits[q_begin + i] is set: the masked keys score -inf, so a path's rows add the same
-// terms as a causal pass over that path (at other key offsets: equal up to rounding).
+// query i at position seq_len - q_len + i sees keys (position - window, position].
+//
+// With tree_bits, the sequence's last tree_cols positions hold a draft tree (its fed tokens the last
+// q_len of them): query i reads the context before the tree, then the tree positions whose bits are
+// set in tree_bits[q_begin + i] (its ancestors and itself, in depth order), as if they lay at the
+// positions after the context; so it is the same computation, key for key and chunk for chunk, as a
+// causal row at its depth's position over the context and its path: a tree row equals the decode
+// row bit for bit, as a chain's verification rows do.
 void attend(const PagedCache& cache, const float* queries, float* out, const int32_t* table, int64_t q_begin,
             int64_t q_len, int64_t seq_len, int64_t head, int64_t group, int64_t num_heads, int64_t window,
             const int64_t* tree_bits, int64_t tree_cols) {
@@ -139,29 +147,44 @@ void attend(const PagedCache& cache, const float* queries, float* out, const int
   std::vector<float> acc(rows * D, 0.f), scores(CHUNK), max(rows, NEG_INF), sum(rows, 0.f);
   const float* keys[CHUNK];
   const float* values[CHUNK];
+  const float* path_keys[CHUNK];
+  const float* path_values[CHUNK];
+  int64_t path[64];   // a tree row's tree positions, in depth order
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   for (int64_t c0 = lo; c0 < seq_len; c0 += CHUNK) {
     const int64_t n = std::min(CHUNK, seq_len - c0);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = c0 + j;
-      const int64_t slot = int64_t(table[pos / cache.block_size]) * cache.block_size + pos % cache.block_size;
-      keys[j] = cache.keys + cache.offset(slot, head);
-      values[j] = cache.values + cache.offset(slot, head);
+      keys[j] = slot_row(cache.keys, cache, table, c0 + j, head);
+      values[j] = slot_row(cache.values, cache, table, c0 + j, head);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = r / group, position = first_pos + i;
+      const int64_t i = r / group;
+      int64_t position = first_pos + i;   // the last key position it reads (its own)
+      const float* const* row_keys = keys;
+      const float* const* row_values = values;
+      if (tree_bits != nullptr) {
+        const uint64_t bits = uint64_t(tree_bits[q_begin + i]);
+        int64_t depth = 0;
+        for (int64_t j = 0; j < tree_cols; ++j)
+          if ((bits >> j) & 1) path[depth++] = tree_pos + j;
+        position = tree_pos + depth - 1;
+        if (c0 <= position && c0 + n > tree_pos) {   // the chunk reaches the tree: this row's own keys there
+          for (int64_t j = 0; j < std::min<int64_t>(n, position + 1 - c0); ++j) {
+            const int64_t pos = c0 + j < tree_pos ? c0 + j : path[c0 + j - tree_pos];
+            path_keys[j] = pos == c0 + j ? keys[j] : slot_row(cache.keys, cache, table, pos, head);
+            path_values[j] = pos == c0 + j ? values[j] : slot_row(cache.values, cache, table, pos, head);
+          }
+          row_keys = path_keys;
+          row_values = path_values;
+        }
+      }
       if (c0 > position) continue;   // the whole chunk lies after this query
       const float* q = queries + ((q_begin + i) * num_heads + head * group + r % group) * D;
       const int64_t visible = std::min<int64_t>(n, position + 1 - c0);   // keys up to its own position
-      dot_keys(q, keys, visible, D, scores.data());
+      dot_keys(q, row_keys, visible, D, scores.data());
       if (window > 0)
         for (int64_t j = 0; j < std::min<int64_t>(visible, position - window + 1 - c0); ++j) scores[j] = NEG_INF;
-      if (tree_bits != nullptr) {
-        const uint64_t bits = uint64_t(tree_bits[q_begin + i]);
-        for (int64_t j = std::max<int64_t>(0, tree_pos - c0); j < visible; ++j)
-          if (!((bits >> (c0 + j - tree_pos)) & 1)) scores[j] = NEG_INF;
-      }
-      absorb(scores.data(), visible, values, D, acc.data() + r * D, max[r], sum[r]);
+      absorb(scores.data(), visible, row_values, D, acc.data() + r * D, max[r], sum[r]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
