@@ -289,10 +289,9 @@ class Engine:
             limit = min(limit, request.params.num_speculative_tokens)
         proposers = {m: self.proposer.proposers[m] for m in self._allowed(request)}
         max_nodes = self._max_nodes(request) if limit else 0
-        return Candidate(request.request_id,
-                         {m: p.max_drafts(request, limit, max_nodes) if limit else 0 for m, p in proposers.items()},
-                         {m: p.catch_up_tokens(request) for m, p in proposers.items()},
-                         self._remaining_tokens(request))
+        caps = {m: p.max_drafts(request, limit, max_nodes) if limit else 0 for m, p in proposers.items()}
+        return Candidate(request.request_id, caps, {m: p.catch_up_tokens(request) for m, p in proposers.items()},
+                         self._remaining_tokens(request), {m: limit for m, cap in caps.items() if cap > limit})
 
     def _max_nodes(self, request: Request) -> int:
         """The nodes a draft tree for the request may have; 0: chains only (a grammar masks and penalties

@@ -349,3 +349,13 @@ def test_a_prompt_sharing_the_pass_does_not_cheapen_drafts():
         for view in (StepView(candidates), StepView(candidates, num_prefill_tokens=300, num_prefill_seqs=1)):
             drafts = {rid: d for rid, d in policy.plan(view).drafts.items() if not d.probe}
             assert bool(drafts) == pays, (alpha, view.num_prefill_tokens, drafts)
+
+
+def test_a_draft_models_tree_is_priced_by_its_depth():
+    """A tree of k nodes at most `depth` deep costs a model proposer depth sequential forwards (the root,
+    then a level each), not k; a chain costs k."""
+    from engine.spec_decode.policy import forward_rows
+
+    assert forward_rows(4, None) == [1, 1, 1, 1] and forward_rows(3, 8) == [1, 1, 1]
+    assert forward_rows(16, 8) == [1, 3, 2, 2, 2, 2, 2, 2] and sum(forward_rows(16, 8)) == 16
+    assert forward_rows(5, 1) == [1]

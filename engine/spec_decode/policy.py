@@ -46,6 +46,8 @@ class Candidate:
     caps: dict[str, int]   # proposer -> the most drafts it can offer now (0: none)
     lags: dict[str, int]   # proposer -> tokens it must catch up on before drafting
     remaining: int = 1 << 30   # tokens the request may still generate (its max_tokens left)
+    depths: dict[str, int] = field(default_factory=dict)   # proposer -> the depth of the tree its cap counts the
+                                                           # nodes of (absent: the cap is a chain's length)
 
 
 @dataclass(frozen=True)
@@ -96,17 +98,28 @@ def plan_time(costs: StepCosts, view: StepView, ks: dict[str, tuple[str, int]]) 
     """The step's seconds by the cost tables, with these drafts (request id -> proposer, k)."""
     forwards: dict[str, list[int]] = {}
     catch_up: dict[str, int] = {}
-    lags = {c.request_id: c.lags for c in view.candidates}
+    by_id = {c.request_id: c for c in view.candidates}
     for rid, (method, k) in ks.items():
         if method in MODEL_PROPOSERS:
             rows = forwards.setdefault(method, [])
-            rows += [0] * (k - len(rows))
-            for j in range(k):
-                rows[j] += 1
-            catch_up[method] = catch_up.get(method, 0) + lags[rid].get(method, 0)
+            per_forward = forward_rows(k, by_id[rid].depths.get(method))
+            rows += [0] * (len(per_forward) - len(rows))
+            for j, n in enumerate(per_forward):
+                rows[j] += n
+            catch_up[method] = catch_up.get(method, 0) + by_id[rid].lags.get(method, 0)
     num_drafts = sum(k for _, k in ks.values())
     return costs.step_time(len(view.candidates) + view.num_prefill_seqs,
                            len(view.candidates) + view.num_prefill_tokens + num_drafts, forwards, catch_up)
+
+
+def forward_rows(k: int, depth: int | None) -> list[int]:
+    """The rows a model proposer's sequential forwards run for one request's k drafts: a chain's k
+    forwards of one row; a tree of k nodes at most `depth` deep, its first forward the root, the next
+    ones its levels (their nodes taken as spread evenly)."""
+    if depth is None or k <= depth:
+        return [1] * k
+    levels = [(k - 1) // (depth - 1) + (j < (k - 1) % (depth - 1)) for j in range(depth - 1)] if depth > 1 else []
+    return [1] + levels
 
 
 def priced(costs: StepCosts, view: StepView, drafts: dict[str, Draft]) -> StepPlan:
