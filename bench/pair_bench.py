@@ -5,6 +5,8 @@ between rounds):
   ours plain      `specserve serve --config C` with speculation off
   ours default    the config as shipped (configs/qwen2.5-coder-1.5b.yaml: the policy over draft, n-gram, suffix)
   ours draft      the draft model alone (`method: draft`)
+  ours default+tree, ours draft+tree
+                  the same with draft trees (`tree_nodes`, --tree-nodes; not in the default set)
   llama.cpp       llama-server on the target file
   llama.cpp draft llama-server with the draft file (`-md`, `--spec-type draft-simple`, its own default of
                   3 drafts a step: 8, our gamma, measured slower there: 10 against 17 tok/s on one request)
@@ -96,7 +98,10 @@ def passes(problem: dict, text: str) -> bool:
 def launch(name: str, args, config: dict, concurrency: int) -> Launched:
     port = args.port
     if name.startswith("ours"):
-        spec = {"ours plain": {"method": "none"}, "ours draft": {"method": "draft"}}.get(name)
+        spec = {"ours plain": {"method": "none"}, "ours draft": {"method": "draft"}, "ours default": None}
+        spec = spec[name.removesuffix("+tree")]
+        if name.endswith("+tree"):
+            spec = {**(spec or {}), "tree_nodes": args.tree_nodes}
         command = [os.path.join(ROOT, ".venv/bin/specserve"), "serve", "--config", args.config, "--port", str(port),
                    "--max-num-seqs", str(max(8, concurrency))]
         if spec:
@@ -187,7 +192,8 @@ def row(name: str, r: Result, base: Result | None, peer: Result | None) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=os.path.join(ROOT, "configs/qwen2.5-coder-1.5b.yaml"))
-    p.add_argument("--llama-server", required=True, help="path of llama.cpp's llama-server binary")
+    p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary (needed for its servers)")
+    p.add_argument("--tree-nodes", type=int, default=16, help="speculative.tree_nodes of the +tree servers")
     p.add_argument("--levels", default="1:6,8:12", help="concurrency:tasks, comma separated")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -200,6 +206,8 @@ def main(argv=None) -> int:
     with open(args.config) as f:
         config = yaml.safe_load(f)
     names = [n.strip() for n in args.servers.split(",")]
+    if any(n.startswith("llama.cpp") for n in names) and not args.llama_server:
+        p.error("--llama-server is needed for the llama.cpp servers")
     tasks = even_tasks()
     levels = [tuple(int(v) for v in level.split(":")) for level in args.levels.split(",")]
     needed = args.rounds * sum(n for _, n in levels)
@@ -241,7 +249,8 @@ def report(results, names, levels, rounds) -> None:
         for n in names:
             print(row(n, pooled[n], pooled.get("ours plain"), pooled.get("llama.cpp")))
         for a, b in (("ours default", "ours plain"), ("ours default", "llama.cpp draft"), ("ours plain", "llama.cpp"),
-                     ("ours draft", "ours plain"), ("llama.cpp draft", "llama.cpp")):
+                     ("ours draft", "ours plain"), ("llama.cpp draft", "llama.cpp"),
+                     ("ours default+tree", "ours default"), ("ours draft+tree", "ours draft")):
             if a in names and b in names:
                 per_round = [c[a].tok_s / c[b].tok_s for c in cells if c[b].tok_s]
                 spread = f" (rounds {min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""

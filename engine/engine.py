@@ -227,7 +227,7 @@ class Engine:
     def _outcome(self, batch: SchedulerOutput, plan: StepPlan, proposal: Proposal, result: VerifyResult,
                  verify_time: float, started: float | None) -> StepOutcome:
         verified = tuple(Verified(item.request.request_id, plan.drafts[item.request.request_id].method,
-                                  len(drafts), result.num_accepted[i])
+                                  *self._judged(proposal, i, result.num_accepted[i]))
                          for i, (item, drafts) in enumerate(zip(batch.scheduled, proposal.draft_token_ids))
                          if item.is_decode and drafts)
         timing = None   # the tables are corrected by the shapes they hold: steps of decodes alone
@@ -236,6 +236,15 @@ class Engine:
             timing = PassTiming(len(batch.scheduled), num_tokens, verify_time, tuple(proposal.forwards),
                                 work_clock() - started)
         return StepOutcome(verified, timing)
+
+    @staticmethod
+    def _judged(proposal: Proposal, i: int, num_accepted: int) -> tuple[int, int]:
+        """(drafted, accepted) for the policy's rates: a tree counts as its chain (what the plan's k
+        bought), its accepted path up to the chain's length (an alternative taken raises the rates)."""
+        tree = proposal.trees[i] if proposal.trees else None
+        if tree is None:
+            return len(proposal.draft_token_ids[i]), num_accepted
+        return tree.chain, min(num_accepted, tree.chain)
 
     def _isolate(self, batch: SchedulerOutput, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
         """A failed pass is rerun request by request: only a request that fails alone is failed
@@ -290,8 +299,9 @@ class Engine:
         proposers = {m: self.proposer.proposers[m] for m in self._allowed(request)}
         max_nodes = self._max_nodes(request) if limit else 0
         caps = {m: p.max_drafts(request, limit, max_nodes) if limit else 0 for m, p in proposers.items()}
+        trees = {m: p.tree_size(request) for m, p in proposers.items()} if max_nodes else {}
         return Candidate(request.request_id, caps, {m: p.catch_up_tokens(request) for m, p in proposers.items()},
-                         self._remaining_tokens(request), {m: limit for m, cap in caps.items() if cap > limit})
+                         self._remaining_tokens(request), {m: n for m, n in trees.items() if n > caps[m]})
 
     def _max_nodes(self, request: Request) -> int:
         """The nodes a draft tree for the request may have; 0: chains only (a grammar masks and penalties

@@ -249,7 +249,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec.adaptive:
         policy: Policy = GoodputPolicy(methods, costs, spec.draft_p_min)
     else:
-        policy = StaticPolicy(methods, max(spec.gamma, spec.tree_nodes), costs, spec.draft_p_min)
+        policy = StaticPolicy(methods, spec.gamma, costs, spec.draft_p_min)
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
         _calibrate(costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)

@@ -131,13 +131,12 @@ def _accept_tree(target: ModelRunner, request, tree: DraftTree, rows: torch.Tens
                  i: int) -> None:
     """Walk one request's draft tree against its rows (the root's, then each node's), then copy the
     accepted path's KV to the consecutive positions after the root."""
-    params, probs, choices = request.params, None, None
-    if not params.greedy:
-        probs = warp_probs(rows, SamplingTensors.from_params([params] * len(rows), rows.device))
+    params, depths, probs, choices = request.params, tree.depths(), None, None
     if params.greedy:
-        choices = target_choices(rows, tree.depths())
-    elif request.noise is not None:   # seeded: the target's own draw at each output position
-        depths = tree.depths()
+        choices = target_choices(rows, depths)
+    else:
+        probs = warp_probs(rows, SamplingTensors.from_params([params] * len(rows), rows.device))
+    if request.noise is not None:   # seeded: the target's own draw at each output position
         noise = [request.noise.at(request.num_output_tokens + d) for d in range(max(depths) + 1)]
         choices = target_choices(probs, depths, noise)
     tokens, accepted = verify_tree(tree, probs, request.generator, choices)

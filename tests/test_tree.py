@@ -12,7 +12,7 @@ import torch
 from helpers import pooled_chisquare
 
 import engine.spec_decode.tree as tree_module
-from engine.spec_decode.tree import DraftTree, target_choices, verify_tree
+from engine.spec_decode.tree import DraftTree, chain_first, cut, target_choices, verify_tree
 
 VOCAB = 6
 
@@ -269,3 +269,19 @@ def test_tree_rows_equal_chain_rows_bit_for_bit_in_the_kernel(tmp_path):
         chain = runner.forward([ForwardItem([context[-1]] + path, start, [3, 4, 5, 6, 9, 10], len(path) + 1)])
         assert torch.equal(logits[1 + node], chain[-1]), node
         assert torch.equal(logits[0], chain[0])
+
+
+def test_a_tree_holds_the_chain_first_and_adds_alternatives_that_pay():
+    """chain_first puts the proposer's own chain first; cut keeps the chain the plan asked for and the
+    alternatives whose probability clears p_min (the break-even chance of a row), within the slots."""
+    tree = DraftTree()
+    a, b = tree.add(4), tree.add(7)
+    a1, a2, b1 = tree.add(5, a), tree.add(6, a), tree.add(8, b)
+    probs = [0.6, 0.4, 0.3, 0.3, 0.4]
+    first, ordered = chain_first(tree, probs, [4, 6, 99])
+    assert first.chain == 2 and first.tokens[:2] == [4, 6] and ordered[:2] == [0.6, 0.3]
+    kept = cut(first, ordered, chain_length=2, max_nodes=8, p_min=0.35)
+    assert kept.tokens == [4, 6, 7, 8] and kept.chain == 2   # 5 (0.3) does not pay; 7 and 8 (0.4) do
+    assert [kept.tokens[n] for n in kept.path(3)] == [7, 8]
+    assert cut(first, ordered, chain_length=2, max_nodes=3, p_min=0.0).tokens == [4, 6, 7]
+    assert cut(first, ordered, chain_length=1, max_nodes=8, p_min=0.5).tokens == [4]

@@ -13,11 +13,11 @@ def test_the_drafts_own_chain_grows_first_and_reaches_the_depth_limit():
     growth.expand([([5, 6], [0.9, 0.1])] * 3)                       # each frontier node's children
     assert len(growth.tree) == 4                                    # one more node: room for depth 3
     growth.expand([([7], [0.5])])
-    tree, scores = growth.result()
+    tree = growth.result()
     assert len(tree) == 5 and growth.frontier == []
-    assert (1, 5, 7) in paths(tree)                                 # the chain: top token after top token
-    assert scores == sorted(scores, reverse=True)
-    assert all(tree.parents[i] < i for i in range(len(tree)))       # best first is still a tree
+    assert tree.chain == 3 and tree.tokens[:3] == [1, 5, 7] and tree.is_chain is False   # the chain first
+    assert tree.tokens[3:] == [2, 3]                                # then the alternatives, best first
+    assert all(tree.parents[i] < i for i in range(len(tree)))
 
 
 def test_p_min_cuts_alternatives_and_the_chain_past_its_first_node():

@@ -23,8 +23,18 @@ from engine.step_costs import DraftForward
 class DraftJob:
     """One request's drafting this step, as the plan asked for it."""
     request: Request
-    num_lookahead: int    # the most drafts to propose (slots reserved)
+    num_lookahead: int    # the most drafts to propose (slots reserved): a chain's, or a tree's nodes
     p_min: float = 0.0    # confidence stop (see spec_decode/policy.py)
+    depth: int | None = None   # the plan's k, when the slots leave room for a tree's alternatives
+
+    @property
+    def k(self) -> int:
+        """The chain the plan asked for; a tree holds it and alternatives in the other slots."""
+        return self.num_lookahead if self.depth is None else min(self.depth, self.num_lookahead)
+
+    @property
+    def wants_tree(self) -> bool:
+        return self.num_lookahead > self.k
 
 
 @dataclass
@@ -46,9 +56,13 @@ class Proposer(Protocol):
     method: str
 
     def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
-        """How many drafts it could offer the request now, at most `limit` (n-gram: its match); with
-        max_nodes (a proposer that builds draft trees), the nodes of a tree at most `limit` deep that
-        it will propose, cut to the plan, this step."""
+        """How many drafts it could offer the request now, at most `limit` (n-gram: its match). With
+        max_nodes, a proposer that builds draft trees prepares one of up to max_nodes nodes holding
+        that chain (proposed this step when the plan leaves slots for its alternatives)."""
+        ...
+
+    def tree_size(self, request: Request) -> int:
+        """The nodes of the tree max_drafts prepared for the request this step (0: none)."""
         ...
 
     def catch_up_tokens(self, request: Request) -> int:
@@ -90,8 +104,9 @@ class Router:
                     and plan[item.request.request_id].method == method]
             if not mine:
                 continue
-            proposal = proposer.propose([DraftJob(scheduled[i].request, scheduled[i].num_lookahead,
-                                                  plan[scheduled[i].request.request_id].p_min) for i in mine])
+            jobs = [DraftJob(scheduled[i].request, scheduled[i].num_lookahead, plan[scheduled[i].request.request_id].p_min,
+                             plan[scheduled[i].request.request_id].k) for i in mine]
+            proposal = proposer.propose(jobs)
             forwards += proposal.forwards
             for i, tokens in zip(mine, proposal.draft_token_ids):
                 drafts[i] = tokens

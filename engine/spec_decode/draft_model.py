@@ -37,7 +37,7 @@ class DraftModelProposer:
         self.target_vocab_size = target_vocab_size
         self.draft_temperature = draft_temperature
         self._cursors: dict[str, tuple[int, int]] = {}   # request id -> (its preemption count, valid tokens)
-        self._tree_depths: dict[str, tuple[int, int]] = {}   # request id -> (num_tokens, depth limit): a tree this step
+        self._tree_offers: dict[str, tuple[int, int]] = {}   # request id -> (num_tokens, nodes): a tree offered this step
 
     # ---- the lifecycle ------------------------------------------------------------
     def cursor(self, request: Request) -> int:
@@ -52,12 +52,17 @@ class DraftModelProposer:
         self._cursors[request.request_id] = (request.num_preemptions, valid)
 
     def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
-        """limit drafts; with max_nodes, a tree of that many nodes at most limit deep, grown when it proposes."""
-        if max_nodes > 1:
-            self._tree_depths[request.request_id] = (request.num_tokens, limit)
-            return max_nodes
-        self._tree_depths.pop(request.request_id, None)
+        """limit drafts; with max_nodes, a tree of up to that many nodes holding them is offered too
+        (grown when it proposes, if the plan leaves room for alternatives)."""
+        if max_nodes > limit:
+            self._tree_offers[request.request_id] = (request.num_tokens, max_nodes)
+        else:
+            self._tree_offers.pop(request.request_id, None)
         return limit
+
+    def tree_size(self, request: Request) -> int:
+        num_tokens, nodes = self._tree_offers.get(request.request_id, (-1, 0))
+        return nodes if num_tokens == request.num_tokens else 0
 
     def catch_up_tokens(self, request: Request) -> int:
         return max(0, request.num_computed_tokens - self.cursor(request))
@@ -68,11 +73,11 @@ class DraftModelProposer:
 
     def on_finish(self, request_id: str) -> None:
         self._cursors.pop(request_id, None)
-        self._tree_depths.pop(request_id, None)
+        self._tree_offers.pop(request_id, None)
 
     # ---- drafting ----------------------------------------------------------------
     def propose(self, items: list[DraftJob]) -> Proposal:
-        growing = [a for a, item in enumerate(items) if self._tree_depth(item)]
+        growing = [a for a, item in enumerate(items) if item.wants_tree and self.tree_size(item.request)]
         if not growing:
             return self._propose_chains(items)
         if len(growing) == len(items):
@@ -92,14 +97,9 @@ class DraftModelProposer:
             probs[torch.tensor(chained, device=probs.device)] = chains.draft_probs
         return Proposal(drafts, probs, forwards, all_trees if any(t is not None for t in all_trees) else None)
 
-    def _tree_depth(self, item: DraftJob) -> int:
-        """The depth limit of the tree this job grows; 0: a chain."""
-        num_tokens, depth = self._tree_depths.get(item.request.request_id, (-1, 0))
-        return depth if num_tokens == item.request.num_tokens and item.num_lookahead > 1 else 0
-
     def _propose_chains(self, items: list[DraftJob]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in items]
-        max_k = max(item.num_lookahead for item in items)
+        max_k = max(item.k for item in items)
         requests = [item.request for item in items]
         params = [self._draft_params(r.params) for r in requests]
         rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
@@ -124,7 +124,7 @@ class DraftModelProposer:
                 confidence[a] *= p
             # The .tolist() calls of the choice waited for the device: the step is over.
             forwards.append(DraftForward(self.method, rows, catch_up, work_clock() - started))
-            active = [a for a in active if items[a].num_lookahead > step + 1 and confidence[a] >= items[a].p_min
+            active = [a for a in active if items[a].k > step + 1 and confidence[a] >= items[a].p_min
                       and drafts[a][-1] not in requests[a].eos_token_ids]   # nothing follows an end
             if not active:
                 break
@@ -137,8 +137,7 @@ class DraftModelProposer:
         rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
         started = work_clock()
         logits = self._fit_vocab(self._catch_up(items))
-        growths = [TreeGrowth(item.num_lookahead, self._tree_depth(item), item.p_min, item.request.eos_token_ids)
-                   for item in items]
+        growths = [TreeGrowth(item.num_lookahead, item.k, item.p_min, item.request.eos_token_ids) for item in items]
         feeding, forwards = list(range(len(items))), []
         while True:
             probs = self._confidences(logits, [items[g].request for g in feeding for _ in growths[g].frontier])
@@ -155,7 +154,7 @@ class DraftModelProposer:
             started, catch_up = work_clock(), 0
             rows = sum(len(growths[g].frontier) for g in feeding)
             logits = self._fit_vocab(self._feed_tree([items[g] for g in feeding], [growths[g] for g in feeding]))
-        grown = [growth.result()[0] for growth in growths]
+        grown = [growth.result() for growth in growths]
         return Proposal([tree.tokens for tree in grown], None, forwards,
                         [None if tree.is_chain else tree for tree in grown])
 

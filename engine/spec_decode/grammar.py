@@ -23,11 +23,14 @@ class GrammarProposer:
     def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:   # chains only
         return len(self.forced(request, limit))
 
+    def tree_size(self, request: Request) -> int:
+        return 0
+
     def catch_up_tokens(self, request: Request) -> int:
         return 0
 
     def propose(self, jobs: list[DraftJob]) -> Proposal:
-        return Proposal([self.forced(job.request, job.num_lookahead) for job in jobs], None)
+        return Proposal([self.forced(job.request, job.k) for job in jobs], None)
 
     def on_verified(self, request: Request) -> None:
         pass

@@ -6,7 +6,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
 from engine.spec_decode.base import DraftJob, Proposal
-from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree
+from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree, chain_first
 
 MAX_MATCHES = 64   # newest occurrences a draft tree is built from: bounds a lookup on a common n-gram
 
@@ -97,19 +97,23 @@ class NgramProposer:
         return self._match(request, k)[0]
 
     def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
-        """With max_nodes, the size of the request's draft tree (at most limit deep): a tree it then proposes."""
         if limit <= 0:
             return 0
-        if max_nodes > 0:
-            return self.trees.keep(request, *ngram_tree(np.asarray(request.token_ids), self.ngram_min,
-                                                        self.ngram_max, max_nodes, limit))
-        return len(self._lookup(request, limit))
+        chain = self._lookup(request, limit)
+        if max_nodes > len(chain) > 0:   # a tree holding the chain, and the other matches' continuations
+            tree, probs = ngram_tree(np.asarray(request.token_ids), self.ngram_min, self.ngram_max, max_nodes, limit)
+            return self.trees.keep(request, *chain_first(tree, probs, chain))
+        self.trees.forget(request.request_id)
+        return len(chain)
+
+    def tree_size(self, request: Request) -> int:
+        return self.trees.size(request)
 
     def catch_up_tokens(self, request: Request) -> int:
         return 0
 
     def propose(self, jobs: list[DraftJob]) -> Proposal:
-        drafts, trees = self.trees.drafts(jobs, lambda job: self._lookup(job.request, job.num_lookahead))
+        drafts, trees = self.trees.drafts(jobs, lambda job: self._lookup(job.request, job.k))
         return Proposal(drafts, None, trees=trees)
 
     def on_verified(self, request: Request) -> None:

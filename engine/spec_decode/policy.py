@@ -27,6 +27,7 @@ Bookkeeping only: no tensors here.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,8 +47,8 @@ class Candidate:
     caps: dict[str, int]   # proposer -> the most drafts it can offer now (0: none)
     lags: dict[str, int]   # proposer -> tokens it must catch up on before drafting
     remaining: int = 1 << 30   # tokens the request may still generate (its max_tokens left)
-    depths: dict[str, int] = field(default_factory=dict)   # proposer -> the depth of the tree its cap counts the
-                                                           # nodes of (absent: the cap is a chain's length)
+    trees: dict[str, int] = field(default_factory=dict)   # proposer -> the nodes of a draft tree it offers, holding
+                                                          # its chain of `caps` drafts and alternatives
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class Draft:
     k: int
     p_min: float = 0.0    # confidence stop: draft while the draft's chance of its tokens so far stays >= p_min
     probe: bool = False   # drafted to learn whether acceptance is (back) up
+    nodes: int = 0        # a draft tree's slots: its chain of k and the alternatives that clear p_min (0: a chain)
+
+    @property
+    def slots(self) -> int:
+        return max(self.k, self.nodes)
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ class StepPlan:
     predicted_time: float | None = None   # the passes' seconds by the cost tables (None: not priced)
 
     def lookahead(self) -> dict[str, int]:
-        return {rid: draft.k for rid, draft in self.drafts.items()}
+        return {rid: draft.slots for rid, draft in self.drafts.items()}
 
 
 @dataclass(frozen=True)
@@ -94,20 +100,21 @@ class Policy(Protocol):
     def on_finish(self, request_id: str) -> None: ...
 
 
-def plan_time(costs: StepCosts, view: StepView, ks: dict[str, tuple[str, int]]) -> float:
-    """The step's seconds by the cost tables, with these drafts (request id -> proposer, k)."""
+def plan_time(costs: StepCosts, view: StepView, ks: dict[str, tuple]) -> float:
+    """The step's seconds by the cost tables, with these drafts (request id -> (proposer, k), or
+    (proposer, k, slots) for a draft tree of `slots` nodes whose chain is k long)."""
     forwards: dict[str, list[int]] = {}
     catch_up: dict[str, int] = {}
     by_id = {c.request_id: c for c in view.candidates}
-    for rid, (method, k) in ks.items():
+    for rid, (method, k, *tree) in ks.items():
         if method in MODEL_PROPOSERS:
             rows = forwards.setdefault(method, [])
-            per_forward = forward_rows(k, by_id[rid].depths.get(method))
+            per_forward = forward_rows(tree[0], k) if tree else forward_rows(k, None)
             rows += [0] * (len(per_forward) - len(rows))
             for j, n in enumerate(per_forward):
                 rows[j] += n
             catch_up[method] = catch_up.get(method, 0) + by_id[rid].lags.get(method, 0)
-    num_drafts = sum(k for _, k in ks.values())
+    num_drafts = sum(tree[0] if tree else k for _, k, *tree in ks.values())
     return costs.step_time(len(view.candidates) + view.num_prefill_seqs,
                            len(view.candidates) + view.num_prefill_tokens + num_drafts, forwards, catch_up)
 
@@ -127,14 +134,22 @@ def priced(costs: StepCosts, view: StepView, drafts: dict[str, Draft]) -> StepPl
     the metrics set against the measured draft + verify time."""
     if not costs.target.rows:
         return StepPlan(drafts)
-    planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
+    planned = {rid: (d.method, d.k, d.slots) for rid, d in drafts.items()}
     return StepPlan(drafts, plan_time(costs, view, planned) - costs.overhead)
+
+
+def with_trees(view: StepView, drafts: dict[str, Draft]) -> dict[str, Draft]:
+    """Each draft whose proposer offers its request a tree gets the tree's slots: its chain of k and
+    alternatives, which the proposer keeps only where they clear the draft's p_min (each then pays
+    for its row at the plan's goodput)."""
+    offers = {c.request_id: c.trees for c in view.candidates}
+    return {rid: dataclasses.replace(d, nodes=offers[rid].get(d.method, 0)) if offers[rid].get(d.method, 0) > d.k
+            else d for rid, d in drafts.items()}
 
 
 class StaticPolicy:
     """gamma drafts (or as many as the proposer offers) every step, from the first usable proposer
-    (gamma: the most slots, a draft tree's nodes included; chains come at most num_speculative_tokens
-    long from their proposers)."""
+    (in a draft tree with every alternative the proposer offers, when it offers one)."""
 
     def __init__(self, methods: list[str], gamma: int, costs: StepCosts, p_min: float | None = None):
         self.methods, self.gamma, self.costs, self.p_min = list(methods), gamma, costs, p_min or 0.0
@@ -145,7 +160,7 @@ class StaticPolicy:
             method = next((m for m in self.methods if c.caps.get(m, 0) > 0), None)
             if method is not None:
                 drafts[c.request_id] = Draft(method, min(self.gamma, c.caps[method]), self.p_min)
-        return priced(self.costs, view, drafts)
+        return priced(self.costs, view, with_trees(view, drafts))
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
         pass
@@ -235,7 +250,7 @@ class GoodputPolicy:
             ks = {}
         drafts = {rid: Draft(method, k, self._p_min(shadow, rows[method])) for rid, (method, k) in ks.items()}
         drafts.update(self._probes(view, drafts, shadow, decode_time, rows))
-        return priced(self.costs, view, drafts)
+        return priced(self.costs, view, with_trees(view, drafts))
 
     def _row_prices(self, token: float, batch: int) -> dict[str, float]:
         """Seconds of one draft token per proposer: a target row, and for a model proposer its share

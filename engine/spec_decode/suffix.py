@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from engine.request import Request
 from engine.spec_decode.base import DraftJob, Proposal
-from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree
+from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree, chain_first
 
 MAX_CANDIDATES = 64   # newest occurrences kept per q-gram: bounds lookups on common q-grams, and memory
 
@@ -232,18 +232,25 @@ class SuffixProposer:
 
     # ---- the lifecycle ------------------------------------------------------------
     def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
-        """With max_nodes, the size of the request's draft tree (at most limit deep): a tree it then proposes."""
         if limit <= 0:
             return 0
-        if max_nodes > 0:
-            return len(self.draft_tree(request, limit, max_nodes)[0])
-        return min(limit, len(self.draft(request, limit).token_ids))
+        chain = self.draft(request, limit)
+        if max_nodes > len(chain.token_ids) > 0:   # a tree holding the chain, from the index the chain came from
+            index = self.shared.index if chain.shared else self._index(request)
+            tree, probs, _ = index.lookup_tree(request.token_ids, max_nodes, limit, self.max_match, self.min_prob,
+                                               self.spec_factor)
+            return self.trees.keep(request, *chain_first(tree, probs, chain.token_ids))
+        self.trees.forget(request.request_id)
+        return min(limit, len(chain.token_ids))
+
+    def tree_size(self, request: Request) -> int:
+        return self.trees.size(request)
 
     def catch_up_tokens(self, request: Request) -> int:
         return 0
 
     def propose(self, jobs: list[DraftJob]) -> Proposal:
-        drafts, trees = self.trees.drafts(jobs, lambda job: self._confident(self.draft(job.request, job.num_lookahead), job))
+        drafts, trees = self.trees.drafts(jobs, lambda job: self._confident(self.draft(job.request, job.k), job))
         return Proposal(drafts, None, trees=trees)
 
     @staticmethod
@@ -251,7 +258,7 @@ class SuffixProposer:
         """The plan's confidence stop: keep drafts while their cumulative empirical probability
         stays at or above job.p_min (as a draft model does with its own probabilities)."""
         tokens, cumulative = [], 1.0
-        for token, p in zip(draft.token_ids[:job.num_lookahead], draft.probs):
+        for token, p in zip(draft.token_ids[:job.k], draft.probs):
             cumulative *= p
             if tokens and cumulative < job.p_min:
                 break
@@ -288,19 +295,6 @@ class SuffixProposer:
             best = NO_DRAFT
         self._drafts[request.request_id] = (request.num_tokens, k, best)
         return best
-
-    def draft_tree(self, request: Request, max_depth: int, max_nodes: int) -> tuple[DraftTree, list[float]]:
-        """The better of the two indexes' draft trees, by expected accepted tokens (the sum of their
-        nodes' probabilities; ties go to the request's own), kept for this step's proposal."""
-        context, best = request.token_ids, None
-        for index in (self._index(request), self.shared.index):
-            tree, probs, score = index.lookup_tree(context, max_nodes, max_depth, self.max_match, self.min_prob,
-                                                   self.spec_factor)
-            if score >= self.min_score and (best is None or sum(probs) > sum(best[1])):
-                best = (tree, probs)
-        tree, probs = best or (DraftTree(), [])
-        self.trees.keep(request, tree, probs)
-        return tree, probs
 
     def _index(self, request: Request) -> SuffixIndex:
         own = self._own.get(request.request_id)

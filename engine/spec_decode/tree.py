@@ -38,6 +38,7 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)   # -1: a child of the root; else an earlier node
     q: list[Tensor | None] = field(default_factory=list)   # the distribution each node was drawn from (None: deterministic)
+    chain: int = 0   # its first `chain` nodes are the proposer's own chain (each the child of the one before)
 
     def add(self, token: int, parent: int = -1, q: Tensor | None = None) -> int:
         """A node drawn from q (children of one node drawn independently, duplicates kept: dropping a
@@ -79,9 +80,12 @@ class DraftTree:
         """Every node the only child of the one before it: a plain draft chain."""
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
-    def prefix(self, num_nodes: int) -> "DraftTree":
-        """The first num_nodes nodes (a tree: parents come before their children)."""
-        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], self.q[:num_nodes])
+    def subtree_in_order(self, keep: list[int], chain: int = 0) -> "DraftTree":
+        """The nodes `keep`, each node's parent kept before it (or not kept: then it must be the root),
+        renumbered in that order."""
+        index = {old: new for new, old in enumerate(keep)}
+        parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
+        return DraftTree([self.tokens[i] for i in keep], parents, [self.q[i] for i in keep], chain)
 
     def fed_mask(self) -> np.ndarray:
         """bool [1 + n, 1 + n]: which fed tokens (the root, then the nodes) each fed token sees, as
@@ -132,38 +136,65 @@ def best_first_tree(continuations: list[list[int]], max_nodes: int, max_depth: i
     return tree, probs
 
 
-def confident_prefix(tree: DraftTree, probs: list[float], max_nodes: int, p_min: float) -> DraftTree:
-    """A best-first tree cut to the plan's budget and confidence stop: its first nodes, up to
-    max_nodes, while their probability stays at or above p_min (the first node always: the plan
-    asked for drafts, as a chain keeps its first draft)."""
-    keep = min(max_nodes, len(tree))
-    keep = next((i for i in range(1, keep) if probs[i] < p_min), keep)
-    return tree.prefix(keep)
+def chain_first(tree: DraftTree, probs: list[float], chain: list[int]) -> tuple[DraftTree, list[float]]:
+    """The tree reordered with the proposer's own chain (its tokens, as far as the tree holds them)
+    first, then the other nodes in their order (best first)."""
+    path, node = [], -1
+    for token in chain:
+        node = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+        if node is None:
+            break
+        path.append(node)
+    on_path = set(path)
+    order = path + [i for i in range(len(tree)) if i not in on_path]
+    return tree.subtree_in_order(order, len(path)), [probs[i] for i in order]
+
+
+def cut(tree: DraftTree, probs: list[float], chain_length: int, max_nodes: int, p_min: float) -> DraftTree:
+    """A chain-first tree cut to the plan: the first chain_length nodes of its chain (the chain the
+    proposer drafts for the plan, its confidence stop applied), then the other nodes, in their order,
+    whose probability clears p_min and whose parent is kept, up to max_nodes in all. Alternatives are
+    added only where they pay: p_min is the break-even chance of a draft row."""
+    chain = min(chain_length, tree.chain, max_nodes)
+    keep, kept = list(range(chain)), set(range(chain))
+    for i in range(tree.chain, len(tree)):
+        if len(keep) >= max_nodes:
+            break
+        if probs[i] >= p_min and (tree.parents[i] < 0 or tree.parents[i] in kept):
+            keep.append(i)
+            kept.add(i)
+    return tree.subtree_in_order(sorted(keep), chain)
 
 
 class BuiltTrees:
-    """A copying proposer's draft trees, built per request when the engine asks how many nodes it
-    can offer (max_drafts) and proposed, cut to the plan (confident_prefix), in the same step."""
+    """A copying proposer's draft trees (chain first), built per request when the engine asks what it
+    can offer (max_drafts: the chain's length; tree_size: the tree's nodes) and proposed, cut to the
+    plan (cut: the chain to the plan's k, alternatives within its slots), in the same step."""
 
     def __init__(self):
         self._built: dict[str, tuple[int, DraftTree, list[float]]] = {}   # request id -> (num_tokens, tree, probs)
 
     def keep(self, request, tree: DraftTree, probs: list[float]) -> int:
+        """Keep a chain-first tree for this step; returns its chain's length."""
         self._built[request.request_id] = (request.num_tokens, tree, probs)
-        return len(tree)
+        return tree.chain
+
+    def size(self, request) -> int:
+        built = self._built.get(request.request_id)
+        return len(built[1]) if built is not None and built[0] == request.num_tokens else 0
 
     def drafts(self, jobs, chain) -> tuple[list[list[int]], list["DraftTree | None"] | None]:
-        """Each job's drafts: its tree built this step, cut to the job, else chain(job); and the
-        trees (None where a job drafts a chain; None for all when none does)."""
+        """Each job's drafts: chain(job), or where the job leaves room for alternatives its tree built
+        this step, cut to the job around that chain; and the trees (None where a job drafts a chain;
+        None for all when none does)."""
         drafts, trees = [], []
         for job in jobs:
-            built = self._built.get(job.request.request_id)
-            tree = None
-            if built is not None and built[0] == job.request.num_tokens:
-                tree = confident_prefix(built[1], built[2], job.num_lookahead, job.p_min)
-                drafts.append(tree.tokens)
-            else:
-                drafts.append(chain(job))
+            built, tree = self._built.get(job.request.request_id), None
+            tokens = chain(job)
+            if job.wants_tree and built is not None and built[0] == job.request.num_tokens:
+                tree = cut(built[1], built[2], len(tokens), job.num_lookahead, job.p_min)
+                tokens = tree.tokens
+            drafts.append(tokens)
             trees.append(None if tree is None or tree.is_chain else tree)
         return drafts, trees if any(t is not None for t in trees) else None
 

@@ -29,6 +29,7 @@ class TreeGrowth:
         self.depths: list[int] = []
         self.frontier: list[int] = [-1]   # nodes whose children the next scores are for (-1: the root)
         self.chain: int | None = -1       # the tip of the draft's own chain while it grows (-1: the root)
+        self.chain_nodes: list[int] = []
 
     @property
     def room(self) -> int:
@@ -55,6 +56,8 @@ class TreeGrowth:
             node = self.tree.add(token, parent)
             self.scores.append(-neg_score)
             self.depths.append(depth)
+            if not not_chain:
+                self.chain_nodes.append(node)
             if self._expandable((not_chain, neg_score, parent, token, depth)):
                 self.frontier.append(node)
                 if not not_chain:
@@ -69,13 +72,9 @@ class TreeGrowth:
         """bool [frontier, nodes]: which of the tree's positions each frontier node sees (ancestors, itself)."""
         return self.tree.ancestor_mask().numpy()[-len(self.frontier):] if self.frontier else np.zeros((0, 0), bool)
 
-    def result(self) -> tuple[DraftTree, list[float]]:
-        """The tree best first by score (ties: the older node), with each node's score: every prefix is
-        a tree, and the plan's cut (confident_prefix) keeps the best nodes."""
-        order = sorted(range(len(self.tree)), key=lambda i: (-self.scores[i], i))
-        index = {old: new for new, old in enumerate(order)}
-        tree = DraftTree()
-        for old in order:
-            parent = self.tree.parents[old]
-            tree.add(self.tree.tokens[old], -1 if parent < 0 else index[parent])
-        return tree, [self.scores[i] for i in order]
+    def result(self) -> DraftTree:
+        """The tree with the draft's chain first (DraftTree.chain), then the alternatives best first by
+        score (ties: the older node)."""
+        chain = set(self.chain_nodes)
+        others = sorted((i for i in range(len(self.tree)) if i not in chain), key=lambda i: (-self.scores[i], i))
+        return self.tree.subtree_in_order(self.chain_nodes + others, len(self.chain_nodes))
