@@ -359,3 +359,20 @@ def test_a_draft_models_tree_is_priced_by_its_depth():
     assert forward_rows(4, None) == [1, 1, 1, 1] and forward_rows(3, 8) == [1, 1, 1]
     assert forward_rows(16, 8) == [1, 3, 2, 2, 2, 2, 2, 2] and sum(forward_rows(16, 8)) == 16
     assert forward_rows(5, 1) == [1]
+
+
+def test_a_tree_offer_widens_the_draft_and_prices_its_alternatives():
+    """with_trees: a proposer's tree offer gives the draft its slots; the alternatives' bar is their
+    added seconds per row at the plan's goodput (here a row costs 0.4 ms: at 100 tokens/s, 0.04), never
+    below the chain's p_min; without a shadow price (the static policy) the bar is p_min."""
+    from engine.spec_decode.policy import with_trees
+
+    costs = synthetic_costs()
+    view = StepView((Candidate("r", {"ngram": 3}, {"ngram": 0}, trees={"ngram": 9}),
+                     Candidate("s", {"ngram": 2}, {"ngram": 0})))
+    drafts = {"r": Draft("ngram", 3, 0.01), "s": Draft("ngram", 2, 0.01)}
+    widened = with_trees(costs, view, drafts, shadow=100.0)
+    assert widened["s"] == drafts["s"] and widened["r"].slots == 9 and widened["r"].k == 3
+    assert widened["r"].tree_p_min == pytest.approx(100.0 * 0.0004)
+    assert with_trees(costs, view, drafts)["r"].tree_p_min == 0.01
+    assert StepPlan(widened).lookahead() == {"r": 9, "s": 2}

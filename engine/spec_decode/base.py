@@ -26,6 +26,7 @@ class DraftJob:
     num_lookahead: int    # the most drafts to propose (slots reserved): a chain's, or a tree's nodes
     p_min: float = 0.0    # confidence stop (see spec_decode/policy.py)
     depth: int | None = None   # the plan's k, when the slots leave room for a tree's alternatives
+    tree_p_min: float = 0.0    # the chance an alternative must have to take a slot (pay for its row)
 
     @property
     def k(self) -> int:
@@ -104,8 +105,9 @@ class Router:
                     and plan[item.request.request_id].method == method]
             if not mine:
                 continue
-            jobs = [DraftJob(scheduled[i].request, scheduled[i].num_lookahead, plan[scheduled[i].request.request_id].p_min,
-                             plan[scheduled[i].request.request_id].k) for i in mine]
+            drafts_of = [plan[scheduled[i].request.request_id] for i in mine]
+            jobs = [DraftJob(scheduled[i].request, scheduled[i].num_lookahead, d.p_min, d.k, d.tree_p_min)
+                    for i, d in zip(mine, drafts_of)]
             proposal = proposer.propose(jobs)
             forwards += proposal.forwards
             for i, tokens in zip(mine, proposal.draft_token_ids):

@@ -137,7 +137,8 @@ class DraftModelProposer:
         rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
         started = work_clock()
         logits = self._fit_vocab(self._catch_up(items))
-        growths = [TreeGrowth(item.num_lookahead, item.k, item.p_min, item.request.eos_token_ids) for item in items]
+        growths = [TreeGrowth(item.num_lookahead, item.k, item.p_min, item.request.eos_token_ids, item.tree_p_min)
+                   for item in items]
         feeding, forwards = list(range(len(items))), []
         while True:
             probs = self._confidences(logits, [items[g].request for g in feeding for _ in growths[g].frontier])

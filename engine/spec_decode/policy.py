@@ -64,7 +64,8 @@ class Draft:
     k: int
     p_min: float = 0.0    # confidence stop: draft while the draft's chance of its tokens so far stays >= p_min
     probe: bool = False   # drafted to learn whether acceptance is (back) up
-    nodes: int = 0        # a draft tree's slots: its chain of k and the alternatives that clear p_min (0: a chain)
+    nodes: int = 0        # a draft tree's slots: its chain of k and the alternatives that clear tree_p_min (0: a chain)
+    tree_p_min: float = 0.0   # the chance an alternative needs to pay for its row
 
     @property
     def slots(self) -> int:
@@ -138,13 +139,26 @@ def priced(costs: StepCosts, view: StepView, drafts: dict[str, Draft]) -> StepPl
     return StepPlan(drafts, plan_time(costs, view, planned) - costs.overhead)
 
 
-def with_trees(view: StepView, drafts: dict[str, Draft]) -> dict[str, Draft]:
+def with_trees(costs: StepCosts, view: StepView, drafts: dict[str, Draft], shadow: float | None = None
+               ) -> dict[str, Draft]:
     """Each draft whose proposer offers its request a tree gets the tree's slots: its chain of k and
-    alternatives, which the proposer keeps only where they clear the draft's p_min (each then pays
-    for its row at the plan's goodput)."""
+    alternatives, which the proposer keeps only where their chance clears tree_p_min. With a shadow
+    price (the plan's goodput), that bar is an alternative row's price in tokens: the seconds all the
+    offered alternatives would add to the step, per alternative, at that goodput (rows past the
+    chain's cost more than the chain's first: the cost tables' slope steepens); without, p_min."""
     offers = {c.request_id: c.trees for c in view.candidates}
-    return {rid: dataclasses.replace(d, nodes=offers[rid].get(d.method, 0)) if offers[rid].get(d.method, 0) > d.k
-            else d for rid, d in drafts.items()}
+    widened = {rid: dataclasses.replace(d, nodes=offers[rid][d.method]) for rid, d in drafts.items()
+               if offers[rid].get(d.method, 0) > d.k}
+    if not widened:
+        return drafts
+    bar = None
+    if shadow is not None and costs.target.rows:
+        chains = {rid: (d.method, d.k) for rid, d in drafts.items()}
+        trees = {**chains, **{rid: (d.method, d.k, d.slots) for rid, d in widened.items()}}
+        extra = sum(d.slots - d.k for d in widened.values())
+        bar = min(1.0, shadow * (plan_time(costs, view, trees) - plan_time(costs, view, chains)) / extra)
+    return {**drafts, **{rid: dataclasses.replace(d, tree_p_min=d.p_min if bar is None else max(d.p_min, bar))
+                         for rid, d in widened.items()}}
 
 
 class StaticPolicy:
@@ -160,7 +174,7 @@ class StaticPolicy:
             method = next((m for m in self.methods if c.caps.get(m, 0) > 0), None)
             if method is not None:
                 drafts[c.request_id] = Draft(method, min(self.gamma, c.caps[method]), self.p_min)
-        return priced(self.costs, view, with_trees(view, drafts))
+        return priced(self.costs, view, with_trees(self.costs, view, drafts))
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
         pass
@@ -250,7 +264,7 @@ class GoodputPolicy:
             ks = {}
         drafts = {rid: Draft(method, k, self._p_min(shadow, rows[method])) for rid, (method, k) in ks.items()}
         drafts.update(self._probes(view, drafts, shadow, decode_time, rows))
-        return priced(self.costs, view, with_trees(view, drafts))
+        return priced(self.costs, view, with_trees(self.costs, view, drafts, shadow))
 
     def _row_prices(self, token: float, batch: int) -> dict[str, float]:
         """Seconds of one draft token per proposer: a target row, and for a model proposer its share

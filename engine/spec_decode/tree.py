@@ -154,7 +154,8 @@ def cut(tree: DraftTree, probs: list[float], chain_length: int, max_nodes: int, 
     """A chain-first tree cut to the plan: the first chain_length nodes of its chain (the chain the
     proposer drafts for the plan, its confidence stop applied), then the other nodes, in their order,
     whose probability clears p_min and whose parent is kept, up to max_nodes in all. Alternatives are
-    added only where they pay: p_min is the break-even chance of a draft row."""
+    added only where they pay: p_min is the break-even chance of an alternative's row (the plan's
+    tree_p_min)."""
     chain = min(chain_length, tree.chain, max_nodes)
     keep, kept = list(range(chain)), set(range(chain))
     for i in range(tree.chain, len(tree)):
@@ -192,7 +193,7 @@ class BuiltTrees:
             built, tree = self._built.get(job.request.request_id), None
             tokens = chain(job)
             if job.wants_tree and built is not None and built[0] == job.request.num_tokens:
-                tree = cut(built[1], built[2], len(tokens), job.num_lookahead, job.p_min)
+                tree = cut(built[1], built[2], len(tokens), job.num_lookahead, job.tree_p_min)
                 tokens = tree.tokens
             drafts.append(tokens)
             trees.append(None if tree is None or tree.is_chain else tree)

@@ -1,16 +1,16 @@
 """A draft tree grown by a draft model, a depth per forward (EAGLE-2's dynamic trees, in our terms).
 
 The draft scores each frontier node's children (its top tokens and its probabilities of them); a
-child's score is its path's probability under the draft, the product down from the root. Each
-depth adds the children scoring at least p_min (the plan's break-even chance of a draft token),
-best first, while the tree has fewer nodes than its budget (the slots the plan reserved); the
-children that are neither an end of sequence nor at the depth limit are the next frontier. The
-draft's own chain (its top token after its top token, what a chain would draft, cut by p_min past
-the first as a chain is) always grows first, and each depth leaves room for one node per deeper
-depth, so the tree holds that chain: a tree verifies at least what the chain would. A draft sure
-of its chain spends the rest of the budget on nothing (p_min cuts the alternatives), an unsure one
-on alternatives near the root, where the most is at stake. The nodes
-are deterministic children (q one-hot): verification judges them as it judges n-gram branches.
+child's score is its path's probability under the draft, the product down from the root. The
+draft's own chain (its top token after its top token, what a chain would draft for the plan's k,
+cut by p_min past the first as a chain is) grows first, and each depth leaves room for one node
+per deeper depth, so the tree holds that chain: a tree verifies at least what the chain would.
+The other slots (the budget the plan reserved) go to the alternatives scoring at least tree_p_min
+(the chance an alternative needs to pay for its row), best first, depth by depth; the children
+that are neither an end of sequence nor at the depth limit are the next frontier. A draft sure of
+its chain spends nothing on alternatives, an unsure one spends them near the root, where the most
+is at stake. The nodes are deterministic children (q one-hot): verification judges them as it
+judges n-gram branches.
 
 Bookkeeping only: the forwards and the top-k are the proposer's.
 """
@@ -22,8 +22,10 @@ from engine.spec_decode.tree import DraftTree
 
 
 class TreeGrowth:
-    def __init__(self, budget: int, max_depth: int, p_min: float, eos_token_ids: frozenset[int]):
+    def __init__(self, budget: int, max_depth: int, p_min: float, eos_token_ids: frozenset[int],
+                 tree_p_min: float | None = None):
         self.budget, self.max_depth, self.p_min, self.eos = budget, max_depth, p_min, eos_token_ids
+        self.tree_p_min = p_min if tree_p_min is None else tree_p_min   # the alternatives' bar
         self.tree = DraftTree()
         self.scores: list[float] = []
         self.depths: list[int] = []
@@ -46,7 +48,7 @@ class TreeGrowth:
             depth = 1 if parent < 0 else self.depths[parent] + 1
             for rank, (token, q) in enumerate(zip(tokens, probs)):
                 chain = parent == self.chain and rank == 0 and (parent < 0 or base * q >= self.p_min)
-                if chain or base * q >= self.p_min:
+                if chain or base * q >= self.tree_p_min:
                     candidates.append((not chain, -base * q, parent, token, depth))
         candidates.sort()
         depth = candidates[0][4] if candidates else self.max_depth
