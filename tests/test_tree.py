@@ -279,7 +279,7 @@ def test_a_tree_holds_the_chain_first_and_adds_alternatives_that_pay():
     a1, a2, b1 = tree.add(5, a), tree.add(6, a), tree.add(8, b)
     probs = [0.6, 0.4, 0.3, 0.3, 0.4]
     first, ordered = chain_first(tree, probs, [4, 6, 99])
-    assert first.chain == 2 and first.tokens[:2] == [4, 6] and ordered[:2] == [0.6, 0.3]
+    assert first.chain == 3 and first.tokens[:3] == [4, 6, 99] and ordered[:3] == [0.6, 0.3, 0.3]   # 99: added back
     kept = cut(first, ordered, chain_length=2, max_nodes=8, p_min=0.35)
     assert kept.tokens == [4, 6, 7, 8] and kept.chain == 2   # 5 (0.3) does not pay; 7 and 8 (0.4) do
     assert [kept.tokens[n] for n in kept.path(3)] == [7, 8]

@@ -137,14 +137,16 @@ def best_first_tree(continuations: list[list[int]], max_nodes: int, max_depth: i
 
 
 def chain_first(tree: DraftTree, probs: list[float], chain: list[int]) -> tuple[DraftTree, list[float]]:
-    """The tree reordered with the proposer's own chain (its tokens, as far as the tree holds them)
-    first, then the other nodes in their order (best first)."""
+    """The tree reordered with the proposer's own chain first (the part a node budget left out added
+    back, at its last node's probability), then the other nodes in their order (best first)."""
+    tree, probs = DraftTree(list(tree.tokens), list(tree.parents), list(tree.q)), list(probs)
     path, node = [], -1
     for token in chain:
-        node = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
-        if node is None:
-            break
-        path.append(node)
+        child = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+        if child is None:
+            child = tree.add(token, node)
+            probs.append(probs[node] if node >= 0 else 1.0)
+        path.append(node := child)
     on_path = set(path)
     order = path + [i for i in range(len(tree)) if i not in on_path]
     return tree.subtree_in_order(order, len(path)), [probs[i] for i in order]
