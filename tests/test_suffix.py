@@ -50,16 +50,16 @@ def test_continuations_as_a_draft_tree():
     occurrences that agree with each node's path (so every prefix is the best tree of its size);
     min_prob, max_nodes and max_depth bound it."""
     index = index_of([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 7], [8, 2, 3, 9])
-    tree, probs, score = index.lookup_tree([0, 1, 2, 3], max_nodes=16, max_depth=8, max_match=8, min_prob=0.2)
+    tree, probs = index.lookup_tree([0, 1, 2, 3], max_nodes=16, max_depth=8, max_match=8, min_prob=0.2)
     nodes = {tuple(tree.tokens[n] for n in tree.path(i)): p for i, p in enumerate(probs)}
     assert nodes == pytest.approx({(4,): 2 / 3, (7,): 1 / 3, (4, 5): 1 / 3, (4, 6): 1 / 3})   # 9 follows "8 2 3"
     assert tree.children(-1) == [0, 1]   # the commoner continuation first: the order verification judges
-    assert probs == sorted(probs, reverse=True) and score == 3 * 2   # match "1 2 3", two occurrences behind 4
-    small, _, _ = index.lookup_tree([0, 1, 2, 3], max_nodes=2, max_depth=8, max_match=8, min_prob=0.2)
+    assert probs == sorted(probs, reverse=True)
+    small, _ = index.lookup_tree([0, 1, 2, 3], max_nodes=2, max_depth=8, max_match=8, min_prob=0.2)
     assert small.tokens == [4, 7]
-    sure, _, _ = index.lookup_tree([0, 1, 2, 3], max_nodes=16, max_depth=8, max_match=8, min_prob=0.5)
+    sure, _ = index.lookup_tree([0, 1, 2, 3], max_nodes=16, max_depth=8, max_match=8, min_prob=0.5)
     assert sure.tokens == [4]
-    shallow, _, _ = index.lookup_tree([0, 1, 2, 3], max_nodes=16, max_depth=1, max_match=8, min_prob=0.0)
+    shallow, _ = index.lookup_tree([0, 1, 2, 3], max_nodes=16, max_depth=1, max_match=8, min_prob=0.0)
     assert shallow.tokens == [4, 7]
     assert len(index.lookup_tree([5, 5], max_nodes=16, max_depth=8, max_match=8, min_prob=0.0)[0]) == 0   # no match
 

@@ -137,18 +137,16 @@ class SuffixIndex:
         return self._follow(kept, longest, k, min_prob)
 
     def lookup_tree(self, context: list[int], max_nodes: int, max_depth: int, max_match: int, min_prob: float,
-                    spec_factor: float | None = None) -> tuple[DraftTree, list[float], int]:
+                    spec_factor: float | None = None) -> tuple[DraftTree, list[float]]:
         """The continuations of the longest matches as a draft tree (best_first_tree: best first by
         the share of occurrences agreeing with a node's path), up to max_nodes, max_depth deep (and
-        spec_factor x the match length), down to min_prob. Returns the tree, each node's
-        probability, and the score of its first node (match length x the occurrences behind it)."""
+        spec_factor x the match length), down to min_prob. Returns the tree and each node's probability."""
         kept, longest = self._longest_matches(context, max_match) if context and max_nodes > 0 else ([], 0)
         if spec_factor is not None:
             max_depth = min(max_depth, max(1, math.ceil(spec_factor * longest)))
         continuations = [self.tokens[s - self.base:min(self.document_end(s - 1), s + max_depth) - self.base]
                          for s in kept]
-        tree, probs = best_first_tree(continuations, max_nodes, max_depth, min_prob)
-        return tree, probs, round(longest * probs[0] * len(kept)) if probs else 0
+        return best_first_tree(continuations, max_nodes, max_depth, min_prob)
 
     def _longest_matches(self, context: list[int], max_match: int) -> tuple[list[int], int]:
         """Where the continuations of the longest occurrences of context's suffix start (each with a
@@ -237,8 +235,8 @@ class SuffixProposer:
         chain = self.draft(request, limit)
         if max_nodes > len(chain.token_ids) > 0:   # a tree holding the chain, from the index the chain came from
             index = self.shared.index if chain.shared else self._index(request)
-            tree, probs, _ = index.lookup_tree(request.token_ids, max_nodes, limit, self.max_match, self.min_prob,
-                                               self.spec_factor)
+            tree, probs = index.lookup_tree(request.token_ids, max_nodes, limit, self.max_match, self.min_prob,
+                                            self.spec_factor)
             return self.trees.keep(request, *chain_first(tree, probs, chain.token_ids))
         self.trees.forget(request.request_id)
         return min(limit, len(chain.token_ids))
