@@ -40,7 +40,8 @@ Counting rules (so nothing is counted twice):
   ``proposer`` they equal the unsplit counters. ``proposer="grammar"`` counts the tokens a
   request's grammar forced, drafted for free (structured outputs).
 - ``spec_decode_num_tree_drafts_total`` counts decode passes whose drafts were a tree (several
-  continuations verified at once: n-gram and suffix drafts with ``speculative.tree_nodes``); their
+  continuations verified at once: n-gram, suffix and draft-model drafts with
+  ``speculative.tree_nodes``); their
   nodes count in ``num_draft_tokens``, their accepted path in ``num_accepted_tokens``.
 
 Structured outputs: ``structured_requests_total{kind}`` counts constrained requests as the server
