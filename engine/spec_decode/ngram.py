@@ -6,7 +6,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
 from engine.spec_decode.base import DraftJob, Proposal
-from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree, chain_first
+from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree
 
 MAX_MATCHES = 64   # newest occurrences a draft tree is built from: bounds a lookup on a common n-gram
 
@@ -99,12 +99,8 @@ class NgramProposer:
     def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
         if limit <= 0:
             return 0
-        chain = self._lookup(request, limit)
-        if max_nodes > len(chain) > 0:   # a tree holding the chain, and the other matches' continuations
-            tree, probs = ngram_tree(np.asarray(request.token_ids), self.ngram_min, self.ngram_max, max_nodes, limit)
-            return self.trees.keep(request, *chain_first(tree, probs, chain))
-        self.trees.forget(request.request_id)
-        return len(chain)
+        return self.trees.offer(request, self._lookup(request, limit), max_nodes, lambda: ngram_tree(
+            np.asarray(request.token_ids), self.ngram_min, self.ngram_max, max_nodes, limit))
 
     def tree_size(self, request: Request) -> int:
         return self.trees.size(request)

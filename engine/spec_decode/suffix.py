@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from engine.request import Request
 from engine.spec_decode.base import DraftJob, Proposal
-from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree, chain_first
+from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree
 
 MAX_CANDIDATES = 64   # newest occurrences kept per q-gram: bounds lookups on common q-grams, and memory
 
@@ -233,13 +233,14 @@ class SuffixProposer:
         if limit <= 0:
             return 0
         chain = self.draft(request, limit)
-        if max_nodes > len(chain.token_ids) > 0:   # a tree holding the chain, from the index the chain came from
-            index = self.shared.index if chain.shared else self._index(request)
-            tree, probs = index.lookup_tree(request.token_ids, max_nodes, limit, self.max_match, self.min_prob,
-                                            self.spec_factor)
-            return self.trees.keep(request, *chain_first(tree, probs, chain.token_ids))
-        self.trees.forget(request.request_id)
-        return min(limit, len(chain.token_ids))
+        return self.trees.offer(request, chain.token_ids[:limit], max_nodes,
+                                lambda: self._tree(request, chain, max_nodes, limit))
+
+    def _tree(self, request: Request, chain: SuffixDraft, max_nodes: int, max_depth: int):
+        """A draft tree of the continuations in the index the chain came from."""
+        index = self.shared.index if chain.shared else self._index(request)
+        return index.lookup_tree(request.token_ids, max_nodes, max_depth, self.max_match, self.min_prob,
+                                 self.spec_factor)
 
     def tree_size(self, request: Request) -> int:
         return self.trees.size(request)

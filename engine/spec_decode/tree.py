@@ -171,16 +171,21 @@ def cut(tree: DraftTree, probs: list[float], chain_length: int, max_nodes: int, 
 
 class BuiltTrees:
     """A copying proposer's draft trees (chain first), built per request when the engine asks what it
-    can offer (max_drafts: the chain's length; tree_size: the tree's nodes) and proposed, cut to the
+    can offer (max_drafts: the chain's length, offer; tree_size: the tree's nodes) and proposed, cut to the
     plan (cut: the chain to the plan's k, alternatives within its slots), in the same step."""
 
     def __init__(self):
         self._built: dict[str, tuple[int, DraftTree, list[float]]] = {}   # request id -> (num_tokens, tree, probs)
 
-    def keep(self, request, tree: DraftTree, probs: list[float]) -> int:
-        """Keep a chain-first tree for this step; returns its chain's length."""
-        self._built[request.request_id] = (request.num_tokens, tree, probs)
-        return tree.chain
+    def offer(self, request, chain: list[int], max_nodes: int, build) -> int:
+        """What max_drafts answers: the chain's length. When max_nodes leaves room past the chain, the
+        tree build() returns (tree, probs) is kept for this step, the chain first (chain_first)."""
+        if max_nodes > len(chain) > 0:
+            tree, probs = chain_first(*build(), chain)
+            self._built[request.request_id] = (request.num_tokens, tree, probs)
+        else:
+            self.forget(request.request_id)
+        return len(chain)
 
     def size(self, request) -> int:
         built = self._built.get(request.request_id)
