@@ -149,7 +149,17 @@ void attend(const PagedCache& cache, const float* queries, float* out, const int
   const float* values[CHUNK];
   const float* path_keys[CHUNK];
   const float* path_values[CHUNK];
-  int64_t path[64];   // a tree row's tree positions, in depth order
+  // A tree's queries: each one's tree positions in depth order, and the last key position it reads.
+  std::vector<int64_t> paths(tree_bits != nullptr ? q_len * 64 : 0), last(q_len);
+  for (int64_t i = 0; i < q_len; ++i) {
+    last[i] = first_pos + i;
+    if (tree_bits == nullptr) continue;
+    const uint64_t bits = uint64_t(tree_bits[q_begin + i]);
+    int64_t depth = 0;
+    for (int64_t j = 0; j < tree_cols; ++j)
+      if ((bits >> j) & 1) paths[i * 64 + depth++] = tree_pos + j;
+    last[i] = tree_pos + depth - 1;
+  }
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   for (int64_t c0 = lo; c0 < seq_len; c0 += CHUNK) {
     const int64_t n = std::min(CHUNK, seq_len - c0);
@@ -158,25 +168,19 @@ void attend(const PagedCache& cache, const float* queries, float* out, const int
       values[j] = slot_row(cache.values, cache, table, c0 + j, head);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = r / group;
-      int64_t position = first_pos + i;   // the last key position it reads (its own)
+      const int64_t i = r / group, position = last[i];   // the last key position it reads (its own)
       const float* const* row_keys = keys;
       const float* const* row_values = values;
-      if (tree_bits != nullptr) {
-        const uint64_t bits = uint64_t(tree_bits[q_begin + i]);
-        int64_t depth = 0;
-        for (int64_t j = 0; j < tree_cols; ++j)
-          if ((bits >> j) & 1) path[depth++] = tree_pos + j;
-        position = tree_pos + depth - 1;
-        if (c0 <= position && c0 + n > tree_pos) {   // the chunk reaches the tree: this row's own keys there
-          for (int64_t j = 0; j < std::min<int64_t>(n, position + 1 - c0); ++j) {
-            const int64_t pos = c0 + j < tree_pos ? c0 + j : path[c0 + j - tree_pos];
-            path_keys[j] = pos == c0 + j ? keys[j] : slot_row(cache.keys, cache, table, pos, head);
-            path_values[j] = pos == c0 + j ? values[j] : slot_row(cache.values, cache, table, pos, head);
-          }
-          row_keys = path_keys;
-          row_values = path_values;
+      if (tree_bits != nullptr && c0 <= position && c0 + n > tree_pos) {   // the chunk reaches the tree:
+        // this row's own keys there
+        const int64_t* path = paths.data() + i * 64;
+        for (int64_t j = 0; j < std::min<int64_t>(n, position + 1 - c0); ++j) {
+          const int64_t pos = c0 + j < tree_pos ? c0 + j : path[c0 + j - tree_pos];
+          path_keys[j] = pos == c0 + j ? keys[j] : slot_row(cache.keys, cache, table, pos, head);
+          path_values[j] = pos == c0 + j ? values[j] : slot_row(cache.values, cache, table, pos, head);
         }
+        row_keys = path_keys;
+        row_values = path_values;
       }
       if (c0 > position) continue;   // the whole chunk lies after this query
       const float* q = queries + ((q_begin + i) * num_heads + head * group + r % group) * D;
