@@ -227,7 +227,8 @@ class Engine:
     def _outcome(self, batch: SchedulerOutput, plan: StepPlan, proposal: Proposal, result: VerifyResult,
                  verify_time: float, started: float | None) -> StepOutcome:
         verified = tuple(Verified(item.request.request_id, plan.drafts[item.request.request_id].method,
-                                  *self._judged(proposal, i, result.num_accepted[i]))
+                                  *self._judged(proposal, i, result.num_accepted[i]),
+                                  *self._alternatives(proposal, i, result))
                          for i, (item, drafts) in enumerate(zip(batch.scheduled, proposal.draft_token_ids))
                          if item.is_decode and drafts)
         timing = None   # the tables are corrected by the shapes they hold: steps of decodes alone
@@ -245,6 +246,12 @@ class Engine:
         if tree is None:
             return len(proposal.draft_token_ids[i]), num_accepted
         return tree.chain, min(num_accepted, tree.chain)
+
+    @staticmethod
+    def _alternatives(proposal: Proposal, i: int, result: VerifyResult) -> tuple[float, int]:
+        """(chances promised, accepted) of a tree's alternatives, which calibrate the policy's bar for them."""
+        tree = proposal.trees[i] if proposal.trees else None
+        return (0.0, 0) if tree is None else tree.alternatives(result.tree_paths.get(i, []))
 
     def _isolate(self, batch: SchedulerOutput, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
         """A failed pass is rerun request by request: only a request that fails alone is failed

@@ -10,7 +10,7 @@ move to the positions the next step reads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ class VerifyResult:
     num_accepted: list[int]
     logprobs: list[list[TokenLogprob] | None]  # per emitted token, when the request asked
     prompt_logprobs: list[list[TokenLogprob]]  # per fed prompt position, when the request asked
+    tree_paths: dict[int, list[int]] = field(default_factory=dict)   # a tree's accepted nodes, by request
 
 
 def verify(target: ModelRunner, scheduled: list[ScheduledRequest], proposal: Proposal,
@@ -140,7 +141,7 @@ def _accept_tree(target: ModelRunner, request, tree: DraftTree, rows: torch.Tens
         noise = [request.noise.at(request.num_output_tokens + d) for d in range(max(depths) + 1)]
         choices = target_choices(probs, depths, noise)
     tokens, accepted = verify_tree(tree, probs, request.generator, choices)
-    result.token_ids[i], result.num_accepted[i] = tokens, len(accepted)
+    result.token_ids[i], result.num_accepted[i], result.tree_paths[i] = tokens, len(accepted), accepted
     if params.logprobs is not None:
         result.logprobs[i] = _logprobs(rows[[0] + [1 + node for node in accepted]], tokens, params.logprobs)
     first = request.num_computed_tokens + 1   # the first node's slot, and the accepted path's first position

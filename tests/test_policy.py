@@ -376,3 +376,40 @@ def test_a_tree_offer_widens_the_draft_and_prices_its_alternatives():
     assert widened["r"].tree_p_min == pytest.approx(100.0 * 0.0004)
     assert with_trees(costs, view, drafts)["r"].tree_p_min == 0.01
     assert StepPlan(widened).lookahead() == {"r": 9, "s": 2}
+
+
+def test_alternatives_that_win_less_than_promised_raise_their_bar():
+    """Calibration: accepted alternatives per unit of chance promised, taken at its word (1) until
+    trees are judged; with_trees divides the alternatives' bar by it. Aged while nothing is judged, it
+    drifts back toward 1, so alternatives priced out are tried again."""
+    from engine.spec_decode.estimates import Calibration
+    from engine.spec_decode.policy import with_trees
+
+    calibration = Calibration()
+    assert calibration.ratio() == 1.0
+    for _ in range(20):
+        calibration.observe(2.0, 0)   # alternatives that promise two tokens a step and win none
+    calibration.observe(1.0, 1)
+    low = calibration.ratio()
+    assert low < 0.25
+    for _ in range(200):
+        calibration.observe(0.0, 0)
+    assert low < calibration.ratio() < 1.0 and calibration.ratio() > 0.9
+
+    costs = synthetic_costs()
+    view = StepView((Candidate("r", {"ngram": 3}, {"ngram": 0}, trees={"ngram": 9}),))
+    drafts = {"r": Draft("ngram", 3, 0.01)}
+    base = with_trees(costs, view, drafts, shadow=100.0)["r"].tree_p_min
+    assert with_trees(costs, view, drafts, shadow=100.0, calibration={"ngram": 0.5})["r"].tree_p_min == \
+        pytest.approx(2 * base)
+    assert with_trees(costs, view, drafts, shadow=100.0, calibration={"draft": 0.5})["r"].tree_p_min == \
+        pytest.approx(base)
+
+
+def test_the_goodput_policy_learns_its_calibration_from_verified_trees():
+    """observe() feeds each proposer's calibration the step's tree alternatives."""
+    policy = GoodputPolicy(["ngram", "suffix"], synthetic_costs())
+    for _ in range(30):
+        policy.observe(StepPlan(), StepOutcome((Verified("r", "ngram", 3, 1, 3.0, 0),
+                                                Verified("s", "suffix", 3, 3, 1.0, 1)), None))
+    assert policy.calibration["ngram"].ratio() < 0.3 and policy.calibration["suffix"].ratio() > 0.9

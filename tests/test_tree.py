@@ -285,3 +285,18 @@ def test_a_tree_holds_the_chain_first_and_adds_alternatives_that_pay():
     assert [kept.tokens[n] for n in kept.path(3)] == [7, 8]
     assert cut(first, ordered, chain_length=2, max_nodes=3, p_min=0.0).tokens == [4, 6, 7]
     assert cut(first, ordered, chain_length=1, max_nodes=8, p_min=0.5).tokens == [4]
+
+
+def test_a_tree_keeps_its_nodes_chances_to_judge_its_alternatives():
+    """The proposer's chances travel with the nodes through chain_first and cut; alternatives() sets the
+    alternatives' summed chance against how many of them the accepted path holds (what calibrates the bar)."""
+    tree = DraftTree()
+    a, b = tree.add(4), tree.add(7)
+    tree.add(5, a), tree.add(8, b)
+    first, ordered = chain_first(tree, [0.6, 0.4, 0.5, 0.3], [4, 5])
+    assert first.chances == ordered == [0.6, 0.5, 0.4, 0.3]
+    kept = cut(first, ordered, chain_length=2, max_nodes=8, p_min=0.35)
+    assert kept.tokens == [4, 5, 7] and kept.chances == [0.6, 0.5, 0.4]
+    assert kept.alternatives(accepted=[2]) == (pytest.approx(0.4), 1)
+    assert kept.alternatives(accepted=[0, 1]) == (pytest.approx(0.4), 0)
+    assert DraftTree([1, 2], [-1, -1]).alternatives([1]) == (0.0, 0)   # no chances given: nothing to judge

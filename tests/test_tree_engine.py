@@ -132,6 +132,22 @@ def test_a_tree_accepts_the_continuation_a_chain_misses(tmp_path):
     assert (chain.accepted, chain.target_forwards) == (4, 3) and (tree.accepted, tree.target_forwards) == (5, 2)
 
 
+def test_the_policy_hears_what_a_trees_alternatives_promised_and_won(tmp_path):
+    """The scripted tree above: after "Za" the chain "2Za" and five alternatives ("1", "1Z", "b", "bc",
+    "1Za"), each the path of one of the three continuations, at chance 1/3; the target takes "bc", two of
+    them. The policy hears 5/3 promised and 2 won, and for its rates the accepted path up to the chain's
+    length (Engine._judged)."""
+    model = str(make_scripted_checkpoint(tmp_path / "scripted", "abcdefgh"))
+    engine = Engine(tree_config(model, "ngram"))
+    outcomes = []
+    engine.policy.observe = lambda plan, outcome: outcomes.append(outcome)
+    run_requests(engine, [list(b"ZabcdefghZa1Za2Z")], SamplingParams(max_tokens=8, temperature=0.0))
+    trees = [v for outcome in outcomes for v in outcome.verified if v.alternatives_chance > 0]
+    assert len(trees) == 1
+    assert (trees[0].alternatives_chance, trees[0].alternatives_accepted) == (pytest.approx(5 / 3), 2)
+    assert (trees[0].num_drafted, trees[0].num_accepted) == (3, 2)
+
+
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory, target):
     root = tmp_path_factory.mktemp("tree_drafts")

@@ -122,3 +122,24 @@ class DraftRates:
             return first, self.rest.mean(first, PRIOR_WEIGHT)
         return self.first.mean(prior[0], weight), self.rest.mean(prior[1], weight)
 
+
+
+class Calibration:
+    """How a proposer's chances for its tree alternatives compare with what the target accepts: the
+    alternatives accepted per unit of chance promised, decayed sums aged by FORGET a step, shrunk
+    toward 1 (taken at its word) by PRIOR_WEIGHT units. A draft's softmax or a share of matching
+    continuations is not a probability of acceptance; the policy divides the break-even chance of an
+    alternative's row by this ratio. Aged while no tree is verified, the ratio drifts back toward 1,
+    so a proposer whose alternatives were priced out is tried again."""
+
+    def __init__(self, forget: float = FORGET):
+        self.keep = 1.0 - forget
+        self.promised = self.accepted = 0.0
+
+    def observe(self, promised: float, accepted: int) -> None:
+        """One step's verified trees: their alternatives' chances summed, and how many were accepted."""
+        self.promised = self.promised * self.keep + promised
+        self.accepted = self.accepted * self.keep + accepted
+
+    def ratio(self) -> float:
+        return (self.accepted + PRIOR_WEIGHT) / (self.promised + PRIOR_WEIGHT)

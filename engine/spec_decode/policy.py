@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.spec_decode.estimates import POOL_FORGET, PRIOR_WEIGHT, DraftRates
+from engine.spec_decode.estimates import POOL_FORGET, PRIOR_WEIGHT, Calibration, DraftRates
 from engine.step_costs import PassTiming, StepCosts
 
 MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position
@@ -87,6 +87,8 @@ class Verified:
     method: str
     num_drafted: int
     num_accepted: int
+    alternatives_chance: float = 0.0   # a tree's alternatives: their chances summed (Calibration)
+    alternatives_accepted: int = 0     # and how many of them the target accepted
 
 
 @dataclass(frozen=True)
@@ -139,13 +141,14 @@ def priced(costs: StepCosts, view: StepView, drafts: dict[str, Draft]) -> StepPl
     return StepPlan(drafts, plan_time(costs, view, planned) - costs.overhead)
 
 
-def with_trees(costs: StepCosts, view: StepView, drafts: dict[str, Draft], shadow: float | None = None
-               ) -> dict[str, Draft]:
+def with_trees(costs: StepCosts, view: StepView, drafts: dict[str, Draft], shadow: float | None = None,
+               calibration: dict[str, float] | None = None) -> dict[str, Draft]:
     """Each draft whose proposer offers its request a tree gets the tree's slots: its chain of k and
     alternatives, which the proposer keeps only where their chance clears tree_p_min. With a shadow
     price (the plan's goodput), that bar is an alternative row's price in tokens: the seconds all the
     offered alternatives would add to the step, per alternative, at that goodput (rows past the
-    chain's cost more than the chain's first: the cost tables' slope steepens); without, p_min."""
+    chain's cost more than the chain's first: the cost tables' slope steepens), divided by the
+    proposer's calibration (accepted alternatives per unit of chance promised); without, p_min."""
     offers = {c.request_id: c.trees for c in view.candidates}
     widened = {rid: dataclasses.replace(d, nodes=offers[rid][d.method]) for rid, d in drafts.items()
                if offers[rid].get(d.method, 0) > d.k}
@@ -157,7 +160,9 @@ def with_trees(costs: StepCosts, view: StepView, drafts: dict[str, Draft], shado
         trees = {**chains, **{rid: (d.method, d.k, d.slots) for rid, d in widened.items()}}
         extra = sum(d.slots - d.k for d in widened.values())
         bar = min(1.0, shadow * (plan_time(costs, view, trees) - plan_time(costs, view, chains)) / extra)
-    return {**drafts, **{rid: dataclasses.replace(d, tree_p_min=d.p_min if bar is None else max(d.p_min, bar))
+    calibration = calibration or {}
+    return {**drafts, **{rid: dataclasses.replace(d, tree_p_min=d.p_min if bar is None else
+                                                  max(d.p_min, bar / calibration.get(d.method, 1.0)))
                          for rid, d in widened.items()}}
 
 
@@ -218,6 +223,7 @@ class GoodputPolicy:
         self.rates: dict[str, dict[str, DraftRates]] = {}   # request id -> proposer -> its own rates
         self.credit = 0.0   # the exploration budget, seconds
         self.refund = 0.0   # seconds an accepted probe token is worth (a plain token at the probe's batch)
+        self.calibration = {m: Calibration() for m in self.methods}   # per proposer, its tree alternatives'
 
     # ---- estimates ---------------------------------------------------------------
     def _own(self, rid: str, method: str) -> DraftRates:
@@ -264,7 +270,8 @@ class GoodputPolicy:
             ks = {}
         drafts = {rid: Draft(method, k, self._p_min(shadow, rows[method])) for rid, (method, k) in ks.items()}
         drafts.update(self._probes(view, drafts, shadow, decode_time, rows))
-        return priced(self.costs, view, with_trees(self.costs, view, drafts, shadow))
+        calibration = {m: c.ratio() for m, c in self.calibration.items()}
+        return priced(self.costs, view, with_trees(self.costs, view, drafts, shadow, calibration))
 
     def _row_prices(self, token: float, batch: int) -> dict[str, float]:
         """Seconds of one draft token per proposer: a target row, and for a model proposer its share
@@ -357,6 +364,9 @@ class GoodputPolicy:
 
     # ---- feedback ------------------------------------------------------------------
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        for method, calibration in self.calibration.items():
+            calibration.observe(sum(v.alternatives_chance for v in outcome.verified if v.method == method),
+                                sum(v.alternatives_accepted for v in outcome.verified if v.method == method))
         for v in outcome.verified:
             if v.method not in self.pool or v.num_drafted == 0:
                 continue

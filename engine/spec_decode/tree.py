@@ -39,6 +39,9 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)   # -1: a child of the root; else an earlier node
     q: list[Tensor | None] = field(default_factory=list)   # the distribution each node was drawn from (None: deterministic)
     chain: int = 0   # its first `chain` nodes are the proposer's own chain (each the child of the one before)
+    # The proposer's chance that the target takes each node's path (empty where it gave none): what
+    # the policy calibrates the alternatives' bar by (alternatives).
+    chances: list[float] = field(default_factory=list)
 
     def add(self, token: int, parent: int = -1, q: Tensor | None = None) -> int:
         """A node drawn from q (children of one node drawn independently, duplicates kept: dropping a
@@ -85,7 +88,15 @@ class DraftTree:
         renumbered in that order."""
         index = {old: new for new, old in enumerate(keep)}
         parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
-        return DraftTree([self.tokens[i] for i in keep], parents, [self.q[i] for i in keep], chain)
+        chances = [self.chances[i] for i in keep] if self.chances else []
+        return DraftTree([self.tokens[i] for i in keep], parents, [self.q[i] for i in keep], chain, chances)
+
+    def alternatives(self, accepted: list[int]) -> tuple[float, int]:
+        """(the chances summed, how many were accepted) of the nodes past the chain, given the accepted
+        path's nodes: what the proposer promised of its alternatives against what they earned."""
+        if not self.chances:
+            return 0.0, 0
+        return sum(self.chances[self.chain:]), sum(node >= self.chain for node in accepted)
 
     def fed_mask(self) -> np.ndarray:
         """bool [1 + n, 1 + n]: which fed tokens (the root, then the nodes) each fed token sees, as
@@ -149,6 +160,7 @@ def chain_first(tree: DraftTree, probs: list[float], chain: list[int]) -> tuple[
         path.append(node := child)
     on_path = set(path)
     order = path + [i for i in range(len(tree)) if i not in on_path]
+    tree.chances = probs
     return tree.subtree_in_order(order, len(path)), [probs[i] for i in order]
 
 

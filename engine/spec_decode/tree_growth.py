@@ -79,4 +79,5 @@ class TreeGrowth:
         score (ties: the older node)."""
         chain = set(self.chain_nodes)
         others = sorted((i for i in range(len(self.tree)) if i not in chain), key=lambda i: (-self.scores[i], i))
+        self.tree.chances = list(self.scores)
         return self.tree.subtree_in_order(self.chain_nodes + others, len(self.chain_nodes))
