@@ -204,9 +204,9 @@ def trees_over_chains(rounds: list[dict[str, Run]]) -> dict[str, str]:
 
 def versus_best_static(per_run: dict[str, list[float]]) -> str:
     """auto's tokens/s over the best single method's, run by run (every method but auto is static)."""
-    if "auto" not in per_run or len(per_run) < 2:
-        return "-"
     statics = [m for m in per_run if not m.startswith("auto")]
+    if "auto" not in per_run or not statics:
+        return "-"
     return spread([auto / max(per_run[m][r] for m in statics) for r, auto in enumerate(per_run["auto"])])
 
 
