@@ -31,6 +31,16 @@ read when the metadata is built; setting it to "sequences" or "padded" also turn
                consecutive ids reads a view of the cache, no copy; the query heads sharing a KV head are
                folded into query rows (_sequence_attention). A prefill chunk (more than SEQUENCE_MAX_QUERY
                tokens) takes the padded path alone: causal without a mask when it is a whole prompt.
+
+Two per-layer extras change the scores themselves, so SDPA cannot compute them; the torch paths then
+compute attention step by step (_attend):
+  softcap  (Gemma 2) scores = softcap * tanh(scores / softcap), before the mask and the softmax;
+  sinks    (gpt-oss) a learned logit per query head [H_q] that joins each softmax's denominator only:
+           out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)).
+The C++ kernel knows neither; flash-attn knows softcap (its `softcap` argument) but not sinks. A layer
+that needs what its pass's path lacks reads a torch-path copy of the pass's metadata instead
+(AttentionMetadata.torch_variant), built once per pass by the first such layer, so the runner and the
+other layers keep the fast path.
 """
 from __future__ import annotations
 
@@ -176,10 +186,32 @@ class AttentionMetadata:
     tree_bits: torch.Tensor | None = None  # kernel, draft trees: [T] int64, bit j of a row = it sees its
                                            # sequence's tree position j (None: causal)
     tree_cols: torch.Tensor | None = None  # ... [B] int32: each sequence's tree positions, its last ones
+    # Sliding window -> this pass for the torch path (torch_variant), made by the first layer that asks.
+    _torch_variants: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def torch_variant(self, block_size: int, sliding_window: int | None) -> "AttentionMetadata":
+        """This pass's metadata for the torch path, for a layer whose soft-capping or sinks the path it was
+        built for (the C++ kernel, flash-attn) cannot compute; rebuilt from its own tensors (a draft tree's
+        masks from its rows' bits), once per pass and window."""
+        if sliding_window not in self._torch_variants:
+            q_start = self.query_start_loc.tolist()
+            q_lens = [b - a for a, b in zip(q_start, q_start[1:])]
+            seq_lens, tables = self.seq_lens.tolist(), self.block_tables.tolist()
+            device = self.slot_mapping.device
+            if self.tree_bits is None:
+                variant = AttentionMetadata.build(q_lens, seq_lens, tables, block_size, device,
+                                                  sliding_window=sliding_window)
+            else:
+                bits, cols = self.tree_bits.cpu().numpy(), self.tree_cols.tolist()
+                trees = [(bits[a:b, None] >> np.arange(n)) & 1 == 1 for a, b, n in zip(q_start, q_start[1:], cols)]
+                variant = AttentionMetadata.build_tree(q_lens, seq_lens, tables, block_size, device, trees,
+                                                       sliding_window)
+            self._torch_variants[sliding_window] = variant
+        return self._torch_variants[sliding_window]
 
     @classmethod
     def build_tree(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -356,24 +388,58 @@ class DecodeMetadata:
 
 
 def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeMetadata, scale: float,
-                      window: int | None) -> torch.Tensor:
+                      window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """query [B * Q, H_q, D] -> [B * Q, H_q, D] over the grid: flash_attn_with_kvcache reads the pages
-    in place; the torch path gathers every sequence's max_blocks pages and masks (the reference)."""
+    in place (not with sinks, which it lacks); the torch path gathers every sequence's max_blocks pages
+    and masks (the reference)."""
     num_seqs, q_len = meta.num_seqs, meta.query_len
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
     grid = query.view(num_seqs, q_len, num_heads, head_dim)
-    if meta.use_flash:
+    if meta.use_flash and sinks is None:
         out = flash_attn_with_kvcache(
             grid, kv_cache[0], kv_cache[1], cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
-            softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0))
+            softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
+            **_flash_softcap(softcap))
         return out.view(num_seqs * q_len, num_heads, head_dim)
     num_keys = meta.block_tables.shape[1] * block_size
     keys, values = (cache.index_select(0, meta.block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)
                     .transpose(1, 2) for cache in kv_cache)
-    out = F.scaled_dot_product_attention(grid.transpose(1, 2), keys, values, attn_mask=meta.mask(num_keys, window),
-                                         scale=scale, enable_gqa=num_heads != num_kv_heads)   # [B, H_q, Q, D]
+    out = _attend(grid.transpose(1, 2), keys, values, meta.mask(num_keys, window), scale, softcap=softcap,
+                  sinks=None if sinks is None else sinks.view(1, num_heads, 1))   # [B, H_q, Q, D]
     return out.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim)
+
+
+def _flash_softcap(softcap: float | None) -> dict:
+    """flash-attn's softcap argument, passed only when set (flash-attn before 2.6 has none)."""
+    return {} if softcap is None else {"softcap": float(softcap)}
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            causal: bool = False, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """query [N, H, L, D], keys / values [N, H_kv, S, D] -> [N, H, L, D]: SDPA, or, for a layer that
+    soft-caps its scores or has sinks, the same computed step by step (softmax in fp32). mask: bool
+    (True = attend) or additive, broadcastable to [N, H, L, S]; causal: query i sees keys 0..i (SDPA's
+    is_causal); sinks: one logit per score row, broadcastable to [N, H, L]."""
+    num_heads, num_kv_heads = query.shape[1], keys.shape[1]
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=num_heads != num_kv_heads)
+    if num_heads != num_kv_heads:
+        keys, values = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (keys, values))
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale   # [N, H, L, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if sinks is not None:   # one more column in each softmax, dropped after: it only adds to the denominator
+        sink = sinks.float().expand(scores.shape[:-1]).unsqueeze(-1)
+        weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights.to(values.dtype), values)
 
 
 def _tree_bits(tree: np.ndarray | None, q_len: int) -> np.ndarray:
@@ -417,10 +483,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 def rope_paged_attention(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                          kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, num_heads: int,
-                         scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                         scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """qk [T, H_q + H_kv, D] (queries, then keys, before RoPE), value [T, H_kv, D] -> [T, H_q, D]:
     RoPE on queries and keys, keys and values into the cache, attention. A kernel pass is one C++
-    call; every other pass rotates here and goes through paged_attention."""
+    call; every other pass rotates here and goes through paged_attention. softcap, sinks [H_q]: this
+    layer's score soft-capping and attention sinks (see the module's docstring)."""
+    if (softcap is not None or sinks is not None) and isinstance(meta, AttentionMetadata) \
+            and (meta.kernel or meta.kernel_rows):
+        # The kernel computes neither: this layer takes the torch path over the same pass. (Keeping the
+        # kernel's metadata and switching per layer lets a model mix such layers with kernel ones.)
+        meta = meta.torch_variant(kv_cache.shape[2], sliding_window)
     if isinstance(meta, AttentionMetadata) and meta.kernel:
         return cpu_kernels.extension().rope_paged_attention(
             qk, value, cos, sin_signed, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
@@ -428,7 +501,7 @@ def rope_paged_attention(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tenso
     if isinstance(meta, AttentionMetadata) and meta.kernel_rows:
         return _rope_attention_by_group(qk, value, cos, sin_signed, kv_cache, meta, num_heads, scale, sliding_window)
     query, key = apply_rope(qk, cos, sin_signed).split([num_heads, qk.shape[1] - num_heads], dim=1)
-    return paged_attention(query, key, value, kv_cache, meta, scale, sliding_window)
+    return paged_attention(query, key, value, kv_cache, meta, scale, sliding_window, softcap=softcap, sinks=sinks)
 
 
 def _rope_attention_by_group(qk, value, cos, sin_signed, kv_cache, meta: AttentionMetadata, num_heads: int,
@@ -452,13 +525,16 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, *, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H_q, D], key/value [T, H_kv, D] -> output [T, H_q, D]. sliding_window: this
     layer's (None: full attention); once it cuts anything, an AttentionMetadata must have been built
-    with it (a DecodeMetadata masks per layer)."""
+    with it (a DecodeMetadata masks per layer). softcap, sinks [H_q]: see the module's docstring."""
     write_kv(kv_cache, key, value, meta.slot_mapping)
     if isinstance(meta, DecodeMetadata):
-        return _decode_attention(query, kv_cache, meta, scale, sliding_window)
+        return _decode_attention(query, kv_cache, meta, scale, sliding_window, softcap, sinks)
+    if sinks is not None and meta.use_flash:   # flash-attn has no sinks: the torch path over this pass
+        meta = meta.torch_variant(kv_cache.shape[2], sliding_window)
     if sliding_window is not None and meta.max_seq_len > sliding_window and meta.sliding_window != sliding_window:
         if meta.windowed is None or meta.windowed.sliding_window != sliding_window:
             raise ValueError(f"a layer with sliding window {sliding_window} got attention metadata built for "
@@ -471,24 +547,25 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.seq_start_loc,
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale, causal=True, window_size=window, block_table=meta.block_tables,
+            **_flash_softcap(softcap),
         )
-    return _torch_paged_attention(query, kv_cache, meta, scale)
+    return _torch_paged_attention(query, kv_cache, meta, scale, softcap, sinks)
 
 
-def _torch_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _torch_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     if meta.groups is not None:
         out = torch.empty_like(query)
         for rows, group in meta.groups:
-            out[rows] = _torch_paged_attention(query[rows], kv_cache, group, scale)
+            out[rows] = _torch_paged_attention(query[rows], kv_cache, group, scale, softcap, sinks)
         return out
     if meta.plan is not None:
-        return _sequence_attention(query, kv_cache, meta.plan, scale)
-    return _padded_gather_attention(query, kv_cache, meta, scale)
+        return _sequence_attention(query, kv_cache, meta.plan, scale, softcap, sinks)
+    return _padded_gather_attention(query, kv_cache, meta, scale, softcap, sinks)
 
 
-def _sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: SequencePlan,
-                        scale: float) -> torch.Tensor:
+def _sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: SequencePlan, scale: float,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H_q, D] -> [T, H_q, D]: one SDPA call per group of the plan, on a view of the cache for
     a lone sequence whose blocks are consecutive, else on the group's own blocks gathered (padded only
     to the group's longest sequence).
@@ -499,7 +576,8 @@ def _sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Seque
     group = query.shape[1] // num_kv_heads
     grouped = query.view(-1, num_kv_heads, group, head_dim)   # [T, H_kv, G, D]
     by_head = [x.view(1, -1, num_kv_heads, head_dim).transpose(1, 2) for x in kv_cache]   # [1, H_kv, slots, D] views
-    outs = [_group_attention(grouped, kv_cache, by_head, g, mask, scale)
+    sinks = None if sinks is None else sinks.view(num_kv_heads, 1, group)   # query head h * G + g
+    outs = [_group_attention(grouped, kv_cache, by_head, g, mask, scale, softcap, sinks)
             for g, mask in zip(plan.groups, plan.masks(group, query.dtype))]
     out = torch.cat(outs) if len(outs) > 1 else outs[0]   # [T, H_kv, G, D], rows in plan order
     if plan.rows is not None:
@@ -508,8 +586,9 @@ def _sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Seque
 
 
 def _group_attention(grouped: torch.Tensor, kv_cache: torch.Tensor, by_head: list[torch.Tensor], g: KeyGroup,
-                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """grouped queries [T, H_kv, G, D] -> [n * q_len, H_kv, G, D] for the group's rows."""
+                     mask: torch.Tensor | None, scale: float, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """grouped queries [T, H_kv, G, D] -> [n * q_len, H_kv, G, D] for the group's rows. sinks [H_kv, 1, G]."""
     n, q_len, (_, num_kv_heads, group, head_dim) = g.num_seqs, g.q_len, grouped.shape
     if g.block_ids is None:
         keys, values = (x.narrow(2, g.first_slot, g.num_keys) for x in by_head)   # [1, H_kv, keys, D]
@@ -520,13 +599,15 @@ def _group_attention(grouped: torch.Tensor, kv_cache: torch.Tensor, by_head: lis
     if q_len > 1:
         rows = rows.view(n, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
     rows = rows.reshape(n, num_kv_heads, q_len * group, head_dim)
-    o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)   # [n, H_kv, q_len * G, D]
+    if sinks is not None:   # row i * G + g is query i of head h * G + g
+        sinks = sinks.expand(num_kv_heads, q_len, group).reshape(num_kv_heads, q_len * group)
+    o = _attend(rows, keys, values, mask, scale, softcap=softcap, sinks=sinks)   # [n, H_kv, q_len * G, D]
     o = o.view(n, num_kv_heads, q_len, group, head_dim).transpose(1, 2)   # [n, q_len, H_kv, G, D]
     return o.reshape(n * q_len, num_kv_heads, group, head_dim)
 
 
-def _padded_gather_attention(query: torch.Tensor, kv_cache: torch.Tensor,
-                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _padded_gather_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                             softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference torch path: every sequence's pages gathered into one padded tensor, one SDPA call."""
     num_seqs, max_q = meta.num_seqs, meta.max_query_len
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -546,9 +627,7 @@ def _padded_gather_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         padded = query.new_zeros(num_seqs * max_q, num_heads, head_dim)
         padded[meta.query_pad_index] = query
         padded = padded.view(num_seqs, max_q, num_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2), keys, values, attn_mask=meta.attn_mask, is_causal=meta.causal, scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )  # [B, H_q, max_q, D]
+    out = _attend(padded.transpose(1, 2), keys, values, meta.attn_mask, scale, causal=meta.causal, softcap=softcap,
+                  sinks=None if sinks is None else sinks.view(1, num_heads, 1))  # [B, H_q, max_q, D]
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return out if meta.query_pad_index is None else out[meta.query_pad_index]

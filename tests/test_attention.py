@@ -4,6 +4,8 @@ attention, for mixed batches of decode rows, verification rows and prefill chunk
 scattered and partly consecutive block tables, with GQA and windows."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -38,8 +40,9 @@ def make_tables(seq_lens: list[int], layouts: list[str], rng: np.random.Generato
     return tables
 
 
-def dense_attention(query, cache, q_lens, seq_lens, tables, scale, window=None):
-    """float64, one sequence at a time, straight from the block tables: the ground truth."""
+def dense_attention(query, cache, q_lens, seq_lens, tables, scale, window=None, softcap=None, sinks=None):
+    """float64, one sequence at a time, straight from the block tables: the ground truth (softcap, sinks:
+    scores soft-capped, and a sink logit per query head in each softmax's denominator)."""
     out, row = [], 0
     num_heads, num_kv_heads = query.shape[1], cache.shape[3]
     for q_len, seq_len, table in zip(q_lens, seq_lens, tables):
@@ -48,13 +51,17 @@ def dense_attention(query, cache, q_lens, seq_lens, tables, scale, window=None):
         keys, values = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (keys, values))
         q = query[row:row + q_len].double()
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         key_pos = torch.arange(seq_len)[None, :]
         visible = key_pos <= query_pos
         if window is not None:
             visible &= key_pos > query_pos - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        weights = scores.exp() / (scores.exp().sum(-1, keepdim=True)
+                                  + (0 if sinks is None else sinks.double().exp()[:, None, None]))
+        out.append(torch.einsum("hqk,khd->qhd", weights, values))
         row += q_len
     return torch.cat(out)
 
@@ -342,3 +349,122 @@ def test_path_switch():
     attention.TORCH_ATTENTION = "fastest"
     with pytest.raises(ValueError, match="auto, sequences or padded"):
         AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU)
+
+
+# ---------------------------------------------------------------- soft-capping and sinks
+
+def test_sinks_against_a_naive_reference():
+    """One sequence, written out: out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)) per query head,
+    the sink in the denominator only (a large negative sink leaves plain attention)."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 4, BLOCK_SIZE, 1, HEAD_DIM, generator=g)
+    query, key, value = (torch.randn(3, h, HEAD_DIM, generator=g) for h in (2, 1, 1))
+    sinks = torch.tensor([0.7, -1.3])
+    meta = AttentionMetadata.build([3], [20], [[2, 0]], BLOCK_SIZE, CPU)
+    out = paged_attention(query, key, value, cache, meta, 0.3, sinks=sinks)
+    keys = torch.cat((cache[0, 2], cache[0, 0]))[:20, 0].double()   # [20, D]: positions 0..19
+    values = torch.cat((cache[1, 2], cache[1, 0]))[:20, 0].double()
+    for i in range(3):
+        for h in range(2):
+            scores = [float(query[i, h].double() @ keys[j]) * 0.3 for j in range(17 + i + 1)]
+            numerator = sum(math.exp(s) * values[j] for j, s in enumerate(scores))
+            expected = numerator / (math.exp(sinks[h].item()) + sum(math.exp(s) for s in scores))
+            torch.testing.assert_close(out[i, h].double(), expected, rtol=1e-5, atol=1e-5)
+    plain = paged_attention(query, key, value, cache.clone(), meta, 0.3)
+    assert not torch.allclose(out, plain, atol=1e-3)
+    torch.testing.assert_close(paged_attention(query, key, value, cache.clone(), meta, 0.3,
+                                               sinks=torch.full((2,), -1e4)), plain)
+
+
+def extras_paths(q_lens, seq_lens, layouts, softcap, sinks, window, heads=(9, 3), dtype=torch.float32, seed=0):
+    """Every path a layer with soft-capping / sinks can take over one pass, and the dense reference."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    tables = make_tables(seq_lens, layouts, rng)
+    cache = torch.randn(2, max(max(t) for t in tables) + 1, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=g)
+    tokens, scale = sum(q_lens), HEAD_DIM ** -0.5
+    qk = torch.randn(tokens, num_heads + num_kv_heads, HEAD_DIM, generator=g) * 3   # scores big enough to cap
+    value = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=g)
+    sinks = None if sinks is None else torch.randn(num_heads, generator=g)
+    cos, sin = torch.ones(tokens, 1, HEAD_DIM), torch.zeros(tokens, 1, HEAD_DIM)   # RoPE the identity
+    extras = dict(softcap=softcap, sinks=None if sinks is None else sinks.to(dtype))
+    outs = {}
+    for path in ("padded", "sequences", "auto"):   # auto with kernel=True: the kernel's metadata, not its call
+        attention.TORCH_ATTENTION = path
+        meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window,
+                                       kernel=path == "auto")
+        layer_cache = cache.to(dtype)
+        outs[path] = rope_paged_attention(qk.to(dtype), value.to(dtype), cos.to(dtype), sin.to(dtype), layer_cache,
+                                          meta, num_heads, scale, window, **extras).float()
+    outs["dense"] = dense_attention(qk[:, :num_heads], layer_cache.float(), q_lens, seq_lens, tables, scale, window,
+                                    softcap, sinks).float()
+    return outs
+
+
+@pytest.mark.parametrize("softcap, sinks", [(1.5, None), (None, True), (2.0, True)], ids=["softcap", "sinks", "both"])
+@pytest.mark.parametrize("window", [None, 24])
+def test_softcap_and_sinks_on_every_path(softcap, sinks, window):
+    """Mixed passes (decode, verification rows and prefill chunks): the padded and "sequences" paths and a
+    pass whose metadata was built for the C++ kernel (its layers with extras take the torch variant) all
+    equal the dense reference."""
+    q_lens, seq_lens, layouts = (list(x) for x in zip(*MIXED))
+    outs = extras_paths(q_lens, seq_lens, layouts, softcap, sinks, window, seed=7)
+    for path in ("padded", "sequences", "auto"):
+        err = (outs[path] - outs["dense"]).abs().max().item()
+        assert err < TOL[torch.float32], f"{path} vs dense: max abs error {err:.3g}"
+    short = [row for row in MIXED if row[0] <= SEQUENCE_MAX_QUERY]   # a kernel pass, no prefill chunk
+    outs = extras_paths(*(list(x) for x in zip(*short)), softcap, sinks, window, heads=(8, 1), seed=8)
+    assert (outs["auto"] - outs["dense"]).abs().max().item() < TOL[torch.float32]
+
+
+def test_softcap_and_sinks_in_bfloat16():
+    q_lens, seq_lens, layouts = (list(x) for x in zip(*MIXED))
+    outs = extras_paths(q_lens, seq_lens, layouts, 2.0, True, None, dtype=torch.bfloat16, seed=9)
+    for path in ("padded", "sequences"):
+        assert (outs[path] - outs["dense"]).abs().max().item() < TOL[torch.bfloat16]
+
+
+def test_extras_on_kernel_and_tree_metadata():
+    """A kernel pass keeps its kernel marking (other layers use it) and builds its torch variant once per
+    window; a draft-tree pass built for the kernel gets its trees back from the rows' bits."""
+    tables = [[0, 1, 2], [3, 4, 5]]
+    meta = AttentionMetadata.build([1, 3], [40, 30], tables, BLOCK_SIZE, CPU, kernel=True)
+    assert meta.kernel
+    variant = meta.torch_variant(BLOCK_SIZE, None)
+    assert not variant.kernel and variant.plan is not None and meta.torch_variant(BLOCK_SIZE, None) is variant
+    assert meta.torch_variant(BLOCK_SIZE, 8).windowed is not None
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)   # two branches
+    g = torch.Generator().manual_seed(4)
+    qk, value = torch.randn(5, 6, HEAD_DIM, generator=g), torch.randn(5, 2, HEAD_DIM, generator=g)
+    cos, sin = torch.ones(5, 1, HEAD_DIM), torch.zeros(5, 1, HEAD_DIM)
+    cache = torch.randn(2, 8, BLOCK_SIZE, 2, HEAD_DIM, generator=g)
+    outs = []
+    for kernel in (True, False):
+        tree_meta = AttentionMetadata.build_tree([1, 4], [20, 30], tables, BLOCK_SIZE, CPU, [None, tree],
+                                                 kernel=kernel)
+        assert tree_meta.kernel == kernel
+        outs.append(rope_paged_attention(qk, value, cos, sin, cache.clone(), tree_meta, 4, 0.2, softcap=1.0,
+                                         sinks=torch.tensor([0.5, -0.5, 1.0, 0.0])))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_decode_grid_metadata_with_extras():
+    """A DecodeMetadata (the grid CUDA graphs replay) with soft-capping and sinks equals the same pass's
+    AttentionMetadata on the padded path."""
+    from engine.attention import DecodeMetadata
+
+    tables, seq_lens, q_len = [[5, 1, 7], [2, 6, 0]], [40, 23], 3
+    slots = [tables[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for b, s in enumerate(seq_lens)
+             for p in range(s - q_len, s)]
+    grid = DecodeMetadata(torch.tensor(slots), torch.tensor(seq_lens, dtype=torch.int32),
+                          torch.tensor(tables, dtype=torch.int32), torch.tensor(tables).flatten(), q_len, False)
+    g = torch.Generator().manual_seed(6)
+    query, key, value = (torch.randn(6, h, HEAD_DIM, generator=g) for h in (4, 2, 2))
+    cache = torch.randn(2, 8, BLOCK_SIZE, 2, HEAD_DIM, generator=g)
+    extras = dict(softcap=1.0, sinks=torch.tensor([0.5, -0.5, 1.0, 0.0]))
+    attention.TORCH_ATTENTION = "padded"
+    padded = AttentionMetadata.build([q_len] * 2, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=16)
+    expected = paged_attention(query, key, value, cache.clone(), padded, 0.2, 16, **extras)
+    torch.testing.assert_close(paged_attention(query, key, value, cache.clone(), grid, 0.2, 16, **extras), expected,
+                               rtol=1e-5, atol=1e-5)
