@@ -32,7 +32,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# Config classes not named after the architecture (Gemma3Config is the multimodal one).
+CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -80,7 +84,7 @@ def make_tiny_config(arch: str = "llama", vocab_size: int = 272, hidden_size: in
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
-    config_cls = getattr(transformers, ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, CONFIG_CLASSES.get(arch) or ARCHITECTURES[arch].replace("ForCausalLM", "Config"))
     kwargs = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

@@ -1,10 +1,18 @@
-"""GGUF checkpoints (llama.cpp's format) for the Llama family: config, tokenizer and weights from one file.
+"""GGUF checkpoints (llama.cpp's format) for the Llama family and Gemma 2 / 3: config, tokenizer and weights
+from one file.
 
 A `model:` path may name a .gguf file, or a directory holding exactly one .gguf and no config.json.
 Weights are dequantized by the `gguf` library (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and the
 K-quants) into float32 and then cast to the serving dtype by the strict loader, under the Hugging
 Face parameter names our modules use. llama.cpp stores a Llama's q/k projections with the rotary
 halves interleaved; they are permuted back here, so the result equals the original checkpoint.
+
+Gemma: llama.cpp stores every RMSNorm weight with Gemma's +1 added (its norms multiply by the weight), so
+1 is subtracted here; its `ffn_norm` is Gemma's pre_feedforward_layernorm, and the post-norms have names
+of their own. What the file does not say, llama.cpp fixes by convention and so does the config here:
+layer types (Gemma 2: every other layer slides; Gemma 3: five sliding, then one full), Gemma 3's local
+RoPE base (10000, unless the file gives rope.freq_base_swa) and query_pre_attn_scalar (head_dim, but
+hidden / heads for the 27B models).
 """
 from __future__ import annotations
 
@@ -25,7 +33,12 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+GEMMA = ("gemma2", "gemma3")
+# Layer counts of the Gemma 27B models, whose query_pre_attn_scalar is hidden / heads (llama.cpp's rule).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -45,7 +58,13 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _layer_names(architecture: str) -> dict[str, str]:
+    return _GEMMA_LAYER_NAMES if architecture in GEMMA else _LAYER_NAMES
 
 
 def find_gguf(path) -> Path | None:
@@ -75,32 +94,37 @@ def open_gguf(path) -> "GGUFCheckpoint":
     return _open_cached(str(path), stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
     """The Hugging Face parameter name of a GGUF tensor, or a ValueError naming it."""
     stem, _, leaf = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES and leaf == "weight":
         return f"{_GLOBAL_NAMES[stem]}.weight"
-    match = _LAYER_TENSOR.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
+    match, names = _LAYER_TENSOR.match(gguf_name), _layer_names(architecture)
+    if match and match.group(2) in names:
         layer, kind, leaf = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{leaf}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+        return f"model.layers.{layer}.{names[kind]}.{leaf}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {architecture} model")
 
 
 _HF_GLOBAL_NAMES = {f"{hf}.weight": f"{name}.weight" for name, hf in _GLOBAL_NAMES.items()}
-_HF_LAYER_NAMES = {hf: name for name, hf in _LAYER_NAMES.items()}
 _HF_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def gguf_name(hf_param: str) -> str:
+def gguf_name(hf_param: str, architecture: str = "llama") -> str:
     """The GGUF name of a Hugging Face parameter (the inverse of hf_name), or a ValueError naming it."""
     if hf_param in _HF_GLOBAL_NAMES:
         return _HF_GLOBAL_NAMES[hf_param]
     match = _HF_LAYER_TENSOR.match(hf_param)
-    if match and match.group(2) in _HF_LAYER_NAMES:
+    by_module = {hf: name for name, hf in _layer_names(architecture).items()}
+    if match and match.group(2) in by_module:
         layer, module, leaf = match.groups()
-        return f"blk.{layer}.{_HF_LAYER_NAMES[module]}.{leaf}"
+        return f"blk.{layer}.{by_module[module]}.{leaf}"
     raise ValueError(f"tensor {hf_param!r} has no GGUF name")
+
+
+def _is_gemma_norm(architecture: str, name: str) -> bool:
+    """A Gemma RMSNorm weight (GGUF or HF name), which llama.cpp stores with +1 added."""
+    return architecture in GEMMA and name.endswith("norm.weight")
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -180,7 +204,31 @@ class GGUFCheckpoint:
         )
         if self.architecture == "qwen2":
             fields["use_sliding_window"] = False
+        if self.architecture in GEMMA:
+            fields.update(self._gemma_fields(fields))
         return AutoConfig.for_model(model_type, **fields)
+
+    def _gemma_fields(self, fields: dict) -> dict:
+        """What a Gemma config needs beyond the Llama family's (see the module's docstring)."""
+        layers, hidden, heads = fields["num_hidden_layers"], fields["hidden_size"], fields["num_attention_heads"]
+        scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[self.architecture] else fields["head_dim"]
+        extra = dict(query_pre_attn_scalar=scalar, sliding_window=self.arch_field("attention.sliding_window"),
+                     final_logit_softcapping=self.arch_field("final_logit_softcapping"))
+        pattern = self.arch_field("attention.sliding_window_pattern")
+        if isinstance(pattern, list):   # per layer: whether it slides
+            extra["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+        elif isinstance(pattern, int) and pattern > 0:   # every pattern-th layer is a full one
+            extra["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                    for i in range(layers)]
+        if self.architecture == "gemma2":
+            extra["attn_logit_softcapping"] = self.arch_field("attn_logit_softcapping")
+        else:
+            extra["rope_local_base_freq"] = self.arch_field("rope.freq_base_swa", 10000.0)
+        # Instruction-tuned Gemmas end a turn with <end_of_turn> (llama.cpp stops there too).
+        tokens = self.field("tokenizer.ggml.tokens") or []
+        if "<end_of_turn>" in tokens and fields["eos_token_id"] is not None:
+            extra["eos_token_id"] = [fields["eos_token_id"], tokens.index("<end_of_turn>")]
+        return extra
 
     def _rope_scaling(self) -> dict | None:
         kind = self.arch_field("rope.scaling.type")
@@ -195,7 +243,7 @@ class GGUFCheckpoint:
 
     def tensor_names(self) -> dict[str, str]:
         """HF parameter name -> GGUF tensor name, for every tensor in the file."""
-        return {hf_name(name): name for name in self._tensors}
+        return {hf_name(name, self.architecture): name for name in self._tensors}
 
     def tensor(self, gguf_name: str) -> torch.Tensor:
         """One tensor, dequantized to float32 in PyTorch's [out, in] layout under HF conventions."""
@@ -204,6 +252,8 @@ class GGUFCheckpoint:
         tensor = self._tensors[gguf_name]
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = array.reshape([int(d) for d in reversed(tensor.shape)])   # GGUF lists dims innermost first
+        if _is_gemma_norm(self.architecture, gguf_name):
+            array = array - 1.0
         return torch.from_numpy(np.array(self._hf_rows(gguf_name, array), dtype=np.float32, order="C"))   # a writable copy
 
     def _hf_rows(self, gguf_name: str, array: np.ndarray) -> np.ndarray:
@@ -239,6 +289,8 @@ class GGUFCheckpoint:
 
         tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         template = self.field("tokenizer.chat_template")
+        if not template and self.architecture in GEMMA and "<start_of_turn>" in tokenizer.get_vocab():
+            template = GEMMA_CHAT_TEMPLATE   # a GGUF converted without one: Gemma's turn format
         if template and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = template
         return tokenizer
@@ -261,6 +313,16 @@ class GGUFCheckpoint:
         return out
 
 
+# Gemma's turns: <start_of_turn>{user|model}\n...<end_of_turn>\n; a system message opens the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set system = messages[0]['content'] ~ '\n\n' if messages and messages[0]['role'] == 'system' "
+    "else '' %}{% for message in messages if message['role'] != 'system' %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{{ (system if loop.first else '') ~ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
 def write_gguf(path, tensors: dict[str, torch.Tensor], config, tokenizer, qtype: str = "F32") -> None:
     """Write a Llama-family checkpoint (HF-named tensors, its config, a byte-level BPE tokenizer) as a
     GGUF file; matrices are stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...), vectors as F32."""
@@ -278,13 +340,16 @@ def write_gguf(path, tensors: dict[str, torch.Tensor], config, tokenizer, qtype:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         array = tensor.detach().float().cpu().numpy()
+        if _is_gemma_norm(architecture, name):
+            array = array + 1.0
         if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = permute_rotary(array, heads)
         if array.ndim == 2 and array.shape[-1] % block == 0:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
+            writer.add_tensor(gguf_name(name, architecture), gguf.quants.quantize(array, matrix_type),
+                              raw_dtype=matrix_type)
         else:
-            writer.add_tensor(gguf_name(name), array.astype(np.float32))
+            writer.add_tensor(gguf_name(name, architecture), array.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -302,12 +367,28 @@ def _write_metadata(writer, config, matrix_type) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
+    rope = rope.get("full_attention", rope)   # Gemma 3's are per layer type (the local base: _write_gemma_metadata)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
+    if config.model_type in ("gemma2", "gemma3_text"):
+        _write_gemma_metadata(writer, config)
     file_types = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
     if matrix_type.name in file_types:
         writer.add_file_type(file_types[matrix_type.name])
+
+
+def _write_gemma_metadata(writer, config) -> None:
+    """The Gemma settings GGUF has keys for; the rest must be llama.cpp's conventions (module docstring)."""
+    if config.sliding_window is not None:
+        writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    if config.model_type == "gemma3_text":
+        writer.add_rope_freq_base_swa(float(config.rope_parameters["sliding_attention"]["rope_theta"]))
 
 
 def _write_tokenizer(writer, tokenizer, vocab_size: int) -> None:

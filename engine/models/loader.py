@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.gguf import GGUFCheckpoint, find_gguf, open_gguf
+from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gguf_linear import GGUFLinear, GGUFPart, quantize_blocks, servable
 from engine.models.llama import CausalLM, FusedLinear
 
@@ -25,6 +26,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 # Checkpoint tensors that some exporters include but that are derived, not learned.

