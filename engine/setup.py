@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 
@@ -309,11 +310,19 @@ def _calibrate(costs: StepCosts, target: ModelRunner, models: list, pool: BlockP
     context = 2 * pool.block_size
     max_batch = min(max_batch, pool.num_free_blocks // 4)
     params = SamplingParams(max_tokens=1, temperature=0.0)
+    # Distinct random tokens for every request and draft position: a mixture of experts routes each
+    # token on its own, and a pass of one repeated token reads a few experts where real drafts read many.
+    rng = random.Random(0)
+    vocab = min([target.model.vocab_size] + [p.runner.model.vocab_size for p in models
+                                             if hasattr(getattr(p, "runner", None), "model")])   # a draft's may be smaller
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
 
     def requests(batch: int) -> list[Request]:
         out = []
         for i in range(batch):
-            request = Request(f"calibration-{i}", [0] * context, context - 1, params, arrival_time=0.0,
+            request = Request(f"calibration-{i}", tokens(context), context - 1, params, arrival_time=0.0,
                               generator=None, num_computed_tokens=context - 1)
             pool.allocate(request.block_table, context + gamma)
             out.append(request)
@@ -327,7 +336,7 @@ def _calibrate(costs: StepCosts, target: ModelRunner, models: list, pool: BlockP
 
     def target_pass(batch: int, lookahead: int) -> float:
         scheduled = requests(batch)
-        proposal = Proposal([[1] * lookahead for _ in scheduled], None)
+        proposal = Proposal([tokens(lookahead) for _ in scheduled], None)
         items = [ScheduledRequest.of(r, 1, lookahead) for r in scheduled]
         seconds = []
         for _ in range(5):

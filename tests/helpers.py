@@ -32,11 +32,21 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # Config classes not named after the architecture (Gemma3Config is the multimodal one).
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
+
+# Mixtures of experts: 8 experts, top-2, so routing matters (the families' defaults are far from tiny).
+MOE_DEFAULTS = {
+    "qwen3_moe": lambda hidden: dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden),
+    "mixtral": lambda hidden: dict(num_local_experts=8, num_experts_per_tok=2),
+    "gpt_oss": lambda hidden: dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=hidden),
+}
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -92,6 +102,7 @@ def make_tiny_config(arch: str = "llama", vocab_size: int = 272, hidden_size: in
         tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-6,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
+    kwargs.update(MOE_DEFAULTS[arch](hidden_size) if arch in MOE_DEFAULTS else {})
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     config.architectures = [ARCHITECTURES[arch]]
@@ -120,7 +131,7 @@ def make_tiny_checkpoint(path, arch: str = "llama", vocab_size: int = 272, hidde
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):   # "_bias": gpt-oss's experts
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **save_kwargs)

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over the paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures of experts Qwen3-MoE,
+Mixtral and gpt-oss) over the paged KV cache.
 
 One decoder serves the whole family; the differences are flags read from the
 Hugging Face config:
@@ -6,6 +7,11 @@ Hugging Face config:
     Mistral   no biases; `sliding_window` attention (see below)
     Qwen2     bias on q/k/v only (always), none on o_proj
     Qwen3     RMSNorm on each query/key head before RoPE; attention_bias
+    Qwen3-MoE Qwen3's attention; the MLP of most layers a sparse mixture of experts (engine/models/moe.py)
+    Mixtral   Mistral's attention (sliding window); every layer's MLP a mixture of experts
+    gpt-oss   biases on q/k/v/o, attention sinks, sliding and full layers alternating (layer_types);
+              every layer's MLP a mixture of experts with biases and a clamped SwiGLU. (Its RMSNorm
+              scales in fp32 before rounding, ours after: the same in fp32, a bf16 rounding apart.)
 
 The model works on a flat ragged batch: T tokens from any number of sequences,
 no batch dimension. Positions and the AttentionMetadata say where each token
@@ -20,9 +26,11 @@ instead of a few dozen torch ops per layer.
 Parameter names are Hugging Face's, except that q/k/v are fused into
 `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (one GEMM each); the
 loader fills the fused weights from the separate checkpoint tensors, guided
-by `FusedLinear.shard_names`.
+by `FusedLinear.shard_names`. A mixture of experts keeps transformers 5's in-memory names
+(`mlp.gate`, `mlp.experts.gate_up_proj` / `down_proj`, 3-D) and tells the loader how the hub's
+per-expert tensors fill them (SparseMoeBlock.checkpoint_plan).
 
-Sliding window (Mistral; Qwen2/3 with use_sliding_window): each layer whose
+Sliding window (Mistral, Mixtral; Qwen2/3 with use_sliding_window; gpt-oss): each layer whose
 config marks it sliding (`layer_types`; every layer when the config has none)
 attends to the last `sliding_window` positions only, as transformers does; the
 runner builds the windowed metadata once per pass (engine/attention.py). The KV
@@ -35,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, rope_paged_attention
+from engine.models.moe import moe_block
 
 
 class FusedLinear(nn.Linear):
@@ -167,7 +176,7 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, sinks: bool = False):
         super().__init__()
         hidden = config.hidden_size
         self.sliding_window = sliding_window   # None: full attention
@@ -184,6 +193,8 @@ class Attention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        # gpt-oss: a learned logit per query head in every softmax's denominator (engine/attention.py)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -196,7 +207,7 @@ class Attention(nn.Module):
                                 self.k_norm.weight.expand(self.num_kv_heads, self.head_dim)))
             qk = rms_norm(qk, weight, self.q_norm.eps_tensor, self.q_norm.inv_size)
         out = rope_paged_attention(qk, value, cos, sin, kv_cache, meta, self.num_heads, self.scale,
-                                   self.sliding_window)   # [T, H_q, D]
+                                   self.sliding_window, sinks=self.sinks)   # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -216,12 +227,22 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:])
 
 
+def feed_forward(config, layer: int, flags: dict) -> nn.Module:
+    """Decoder layer `layer`'s feed-forward: the family's mixture of experts where it has one, else the dense MLP."""
+    sparse = moe_block(config, layer)
+    return sparse if sparse is not None else MLP(config.hidden_size, config.intermediate_size, flags["mlp_bias"])
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int, flags: dict, sliding_window: int | None = None):
+    """mlp: the layer's feed-forward (feed_forward below); None, a dense MLP (EAGLE heads' layers are dense
+    whatever their config's family)."""
+
+    def __init__(self, config, head_dim: int, flags: dict, sliding_window: int | None = None,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = Attention(config, head_dim, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"],
-                                   sliding_window)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, flags["mlp_bias"])
+                                   sliding_window, flags.get("sinks", False))
+        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size, flags["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -240,8 +261,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config, head_dim: int, flags: dict):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, flags, window)
-                                    for window in layer_sliding_windows(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, flags, window, feed_forward(config, layer, flags))
+                                    for layer, window in enumerate(layer_sliding_windows(config)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
         # EAGLE-3-style fused features: the residual stream after these layers, concatenated, is
@@ -266,12 +287,14 @@ class LlamaModel(nn.Module):
 def architecture_flags(config) -> dict:
     """Which optional pieces this family member has, from config.model_type."""
     model_type = config.model_type
-    attention_bias = bool(getattr(config, "attention_bias", False)) if model_type in ("llama", "qwen3") else False
+    with_bias_flag = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+    attention_bias = bool(getattr(config, "attention_bias", False)) if model_type in with_bias_flag else False
     return {
         "qkv_bias": True if model_type == "qwen2" else attention_bias,
         "o_bias": attention_bias,
         "mlp_bias": bool(getattr(config, "mlp_bias", False)) if model_type == "llama" else False,
-        "qk_norm": model_type == "qwen3",
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+        "sinks": model_type == "gpt_oss",
     }
 
 

@@ -24,8 +24,11 @@ from engine.models.llama import CausalLM, FusedLinear
 SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
+    "MixtralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    "Qwen3MoeForCausalLM": CausalLM,
+    "GptOssForCausalLM": CausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
@@ -261,10 +264,18 @@ def weight_blocks(checkpoint, name: str, requantize: str | None) -> tuple[torch.
     return quantize_blocks(weight, requantize), requantize
 
 
-def _checkpoint_plan(model: CausalLM) -> dict[str, tuple[str, int | None, int | None]]:
-    """checkpoint tensor name -> (our parameter name, row offset, rows); offset None = whole tensor."""
+def _checkpoint_plan(model: CausalLM, names=frozenset()) -> dict[str, tuple[str, int | None, int | None]]:
+    """checkpoint tensor name -> (our parameter name, row offset, rows); offset None = whole tensor, rows
+    of a 3-D parameter counted in its [E * rows, cols] view. Mixtures of experts plan their own tensors
+    from the checkpoint's `names` (per-expert or fused: SparseMoeBlock.checkpoint_plan)."""
     plan = {}
+    for module_name, module in model.named_modules():
+        if hasattr(module, "checkpoint_plan"):
+            plan.update(module.checkpoint_plan(module_name, names))
+    planned = {name for name, _, _ in plan.values()}
     for name, _ in model.named_parameters():  # tied parameters appear once, under embed_tokens
+        if name in planned:
+            continue
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         if getattr(module, "shard_names", None):   # a FusedLinear, or a GGUFLinear in its place
@@ -304,8 +315,8 @@ def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.
                  served: frozenset[str] = frozenset()) -> None:
     """Fill every parameter of a (meta) model from a checkpoint (safetensors or GGUF), strictly; `served`
     names the checkpoint tensors already taken by GGUFLinears."""
-    plan = _checkpoint_plan(model)
     where = set(checkpoint.tensor_names()) - served
+    plan = _checkpoint_plan(model, where)
     missing = set(plan) - set(where)
     unexpected = {k for k in set(where) - set(plan) if not _is_ignorable(k, model)}
     if missing:
@@ -319,7 +330,9 @@ def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.
         if key not in plan:
             continue
         name, offset, rows = plan[key]
-        target = filled[name] if offset is None else filled[name].narrow(0, offset, rows)
+        target = filled[name]
+        if offset is not None:   # rows of a fused 2-D weight, or of the [E * rows, cols] view of 3-D experts
+            target = (target.flatten(0, 1) if target.dim() == 3 else target).narrow(0, offset, rows)
         if tensor.shape != target.shape:
             raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.copy_(tensor)
