@@ -21,6 +21,11 @@ TOL = 1e-4
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
+# head_dim 16: 8 factors each; original length 64 of 256, so the attention scaling is sqrt(1 + ln 4 / ln 64)
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                 "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+                 "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0]}
+
 CASES = {
     "llama": dict(arch="llama"),
     "llama_llama3_rope": dict(arch="llama", rope_parameters=LLAMA3_ROPE),
@@ -29,6 +34,9 @@ CASES = {
     "mistral": dict(arch="mistral", sliding_window=64),
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3", head_dim=32, attention_bias=True),  # head_dim != hidden / heads
+    "phi3": dict(arch="phi3"),   # q/k/v and gate/up fused in the checkpoint
+    # LongRoPE's short factors and attention scaling (the sequences here stay below the original length)
+    "phi3_longrope": dict(arch="phi3", max_position_embeddings=256, rope_parameters=PHI3_LONGROPE),
 }
 
 # Disjoint, shuffled block tables (8 blocks = 32 tokens per sequence), so paging is exercised.
@@ -383,3 +391,30 @@ def test_engine_generates_past_the_window(tmp_path, speculative):
         assert out.token_ids == tokens[len(prompt):]
     if speculative:
         assert sum(o.spec.accepted for o in outs) > 0
+
+
+def test_longrope_rotates_by_the_long_factors_from_the_original_length_on(tmp_path):
+    """Phi-3's LongRoPE: our table rotates positions below original_max_position_embeddings by the
+    short factors and those from it on by the long ones (per position); transformers' rotary embedding
+    gives the same cos/sin for positions below it, and for a forward whose positions pass it (then it
+    switches to the long factors), for the positions from it on."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from engine.models.llama import RotaryEmbedding
+
+    path = make_tiny_checkpoint(tmp_path / "phi3", arch="phi3", seed=1, max_position_embeddings=256,
+                                rope_parameters=PHI3_LONGROPE)
+    config = AutoConfig.from_pretrained(path)
+    ours = RotaryEmbedding(config, config.head_dim, config.max_position_embeddings)
+    ours.init_buffers(CPU, torch.float32)
+    theirs = Phi3RotaryEmbedding(config)
+    x = torch.zeros(1, 1, config.head_dim)
+    for positions in (torch.arange(0, 64), torch.arange(64, 80), torch.arange(200, 256)):
+        cos, sin = theirs(x, positions[None])
+        our_cos, our_sin = ours(positions)
+        half = config.head_dim // 2
+        assert torch.allclose(our_cos[:, 0], cos[0], atol=1e-6)
+        assert torch.allclose(our_sin[:, 0, half:], sin[0, :, half:], atol=1e-6)
+    short, long = ours(torch.tensor([63]))[0], ours(torch.tensor([64]))[0]
+    assert not torch.allclose(short, long, atol=1e-2)   # the table does switch at the original length

@@ -1,5 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures of experts Qwen3-MoE,
-Mixtral and gpt-oss) over the paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, and the mixtures of experts
+Qwen3-MoE, Mixtral and gpt-oss) over the paged KV cache.
 
 One decoder serves the whole family; the differences are flags read from the
 Hugging Face config:
@@ -7,6 +7,7 @@ Hugging Face config:
     Mistral   no biases; `sliding_window` attention (see below)
     Qwen2     bias on q/k/v only (always), none on o_proj
     Qwen3     RMSNorm on each query/key head before RoPE; attention_bias
+    Phi-3     q/k/v and gate/up fused in the checkpoint too; LongRoPE (rope_angles); sliding window
     Qwen3-MoE Qwen3's attention; the MLP of most layers a sparse mixture of experts (engine/models/moe.py)
     Mixtral   Mistral's attention (sliding window); every layer's MLP a mixture of experts
     gpt-oss   biases on q/k/v/o, attention sinks, sliding and full layers alternating (layer_types);
@@ -135,11 +136,34 @@ def rope_inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         return 1.0 / (float(params["rope_theta"]) ** exponent), 1.0
     if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}")
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}, longrope")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(attention_scaling or 1.0)
+
+
+def rope_angles(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(each position's rotation angles [max_positions, head_dim // 2] fp32, attention_scaling).
+
+    LongRoPE (Phi-3) rescales the frequencies by short factors up to original_max_position_embeddings
+    and by long ones past it. Here the choice is per position: a key's rotation must not change once
+    it is in the paged cache, and a request's output must not depend on its batch. transformers
+    instead rotates a whole forward by the long factors once its longest position passes that
+    length, so the two agree on every sequence shorter than it, and past it on the positions
+    from it on (the long table)."""
+    positions = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
+    params = _rope_parameters(config)
+    if params["rope_type"] != "longrope":
+        inv_freq, attention_scaling = rope_inverse_frequencies(config, head_dim)
+        return positions[:, None] * inv_freq[None, :], attention_scaling
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+    short, attention_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"))
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=original + 1)
+    inv_freq = torch.where((positions >= original)[:, None], long.float()[None, :], short.float()[None, :])
+    return positions[:, None] * inv_freq, float(attention_scaling or 1.0)
 
 
 class RotaryEmbedding(nn.Module):
@@ -158,9 +182,7 @@ class RotaryEmbedding(nn.Module):
 
     def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
         """(Re)compute the cache in fp32 on the CPU, then store it in the model's dtype."""
-        inv_freq, attention_scaling = rope_inverse_frequencies(self.config, self.head_dim)
-        positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = positions[:, None] * inv_freq[None, :]            # [P, D/2]
+        freqs, attention_scaling = rope_angles(self.config, self.head_dim, self.max_positions)   # [P, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)                # [P, D]
         cos = angles.cos() * attention_scaling
         sin = angles.sin() * attention_scaling
@@ -176,7 +198,7 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 sliding_window: int | None = None, sinks: bool = False):
+                 sliding_window: int | None = None, sinks: bool = False, fused_checkpoint: bool = False):
         super().__init__()
         hidden = config.hidden_size
         self.sliding_window = sliding_window   # None: full attention
@@ -186,8 +208,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
-        self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
-                                    ["q_proj", "k_proj", "v_proj"], bias=qkv_bias)
+        # Phi-3's checkpoints hold q/k/v already fused, as one tensor in our layout
+        sizes, names = ([self.q_size + 2 * self.kv_size], ["qkv_proj"]) if fused_checkpoint else \
+            ([self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"])
+        self.qkv_proj = FusedLinear(hidden, sizes, names, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -214,9 +238,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     kernels = None   # as RMSNorm's: silu(gate) * up in one call
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, fused_checkpoint: bool = False):
         super().__init__()
-        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], ["gate_proj", "up_proj"], bias=bias)
+        sizes, names = ([2 * intermediate], ["gate_up_proj"]) if fused_checkpoint else \
+            ([intermediate, intermediate], ["gate_proj", "up_proj"])   # Phi-3's checkpoints: gate/up fused
+        self.gate_up_proj = FusedLinear(hidden, sizes, names, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.intermediate = intermediate
 
@@ -230,7 +256,8 @@ class MLP(nn.Module):
 def feed_forward(config, layer: int, flags: dict) -> nn.Module:
     """Decoder layer `layer`'s feed-forward: the family's mixture of experts where it has one, else the dense MLP."""
     sparse = moe_block(config, layer)
-    return sparse if sparse is not None else MLP(config.hidden_size, config.intermediate_size, flags["mlp_bias"])
+    return sparse if sparse is not None else \
+        MLP(config.hidden_size, config.intermediate_size, flags["mlp_bias"], flags.get("fused_checkpoint", False))
 
 
 class DecoderLayer(nn.Module):
@@ -241,7 +268,7 @@ class DecoderLayer(nn.Module):
                  mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = Attention(config, head_dim, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"],
-                                   sliding_window, flags.get("sinks", False))
+                                   sliding_window, flags.get("sinks", False), flags.get("fused_checkpoint", False))
         self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size, flags["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -295,6 +322,7 @@ def architecture_flags(config) -> dict:
         "mlp_bias": bool(getattr(config, "mlp_bias", False)) if model_type == "llama" else False,
         "qk_norm": model_type in ("qwen3", "qwen3_moe"),
         "sinks": model_type == "gpt_oss",
+        "fused_checkpoint": model_type == "phi3",   # qkv_proj and gate_up_proj stored fused
     }
 
 

@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
+    "Phi3ForCausalLM": CausalLM,
     "GptOssForCausalLM": CausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
