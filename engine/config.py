@@ -158,6 +158,7 @@ class EngineConfig:
     max_step_failures: int = 5            # steps in a row failing every request in them: the engine is dead
     cuda_graphs: bool = False             # decode and verification passes replayed as CUDA graphs (GPU only)
     quantization: str = "auto"            # auto | none | bf16 | int8 | gguf: weight-only formats of the linears (CPU)
+    tensor_parallel_size: int = 1         # the target sharded over this many processes (engine/tensor_parallel.py)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -167,6 +168,7 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         check_model_path(self.model, "model")
+        self._check_tensor_parallel()
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "max_step_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -174,3 +176,18 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if size == 1:
+            return
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization {self.quantization} is not supported with tensor_parallel_size > 1 "
+                             "(the shards keep unquantized linears)")
+        if self.cuda_graphs:
+            raise ValueError("cuda_graphs is not supported with tensor_parallel_size > 1")
+        if "eagle" in self.speculative.proposers:
+            raise ValueError("EAGLE heads read the target's LM head and features: not supported with "
+                             "tensor_parallel_size > 1")

@@ -17,6 +17,7 @@ from engine.sampler import PositionalNoise
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
+from engine.tensor_parallel import WorkerGroupError
 from engine.spec_decode.base import Proposal
 from engine.spec_decode.policy import Candidate, StepOutcome, StepPlan, StepView, Verified
 from engine.step_costs import PassTiming
@@ -286,6 +287,8 @@ class Engine:
 
     @staticmethod
     def _check_device(exc: Exception) -> None:
+        if isinstance(exc, WorkerGroupError):   # the shards are out of step: no pass can run again
+            raise EngineDeadError(f"the tensor-parallel group failed: {exc}") from exc
         message = str(exc)
         if isinstance(exc, getattr(torch, "AcceleratorError", ())) or any(m in message for m in DEVICE_ERROR_MARKS):
             raise EngineDeadError(f"the device failed: {type(exc).__name__}: {exc}") from exc

@@ -20,6 +20,8 @@ from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_lin
 from engine.models.llama import use_fused_cpu_ops
 from engine.models import gguf_linear
 from engine.models.gguf import find_gguf, open_gguf
+from engine.models.parallel import check_shardable
+from engine.tensor_parallel import ParallelRunner, finish_setup, rank_device, start_group
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model, special_token_ids
 from engine.models.streamed_linear import check_quantization, kernel_unavailable_reason, stream_linears
 from engine.request import Request
@@ -74,6 +76,11 @@ def resolve_dtype(name: str, hf_config, device: torch.device, quantization: str 
     configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     configured = _DTYPES.get(str(configured).replace("torch.", ""), torch.bfloat16)
     return configured if configured != torch.float32 else torch.bfloat16
+
+
+def tensor_parallel_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
+    """Every rank's dtype under tensor parallelism: its shard keeps unquantized linears (quantization none)."""
+    return resolve_dtype(config.dtype, hf_config, device, "none", config.model)
 
 
 def cpu_native_dtype() -> torch.dtype:
@@ -185,7 +192,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     spec = config.speculative
     device = resolve_device(config.device)
     hf_config = load_hf_config(config.model)
-    dtype = resolve_dtype(config.dtype, hf_config, device, config.quantization, config.model)
+    tp = workers = None
+    if config.tensor_parallel_size > 1:   # the target sharded over worker processes (engine/tensor_parallel.py)
+        check_shardable(hf_config, config.tensor_parallel_size)
+        device = rank_device(device, 0)
+        tp, workers = start_group(config, device)
+    dtype = tensor_parallel_dtype(config, hf_config, device) if tp else \
+        resolve_dtype(config.dtype, hf_config, device, config.quantization, config.model)
     draft_dtype = _DTYPES[spec.dtype] if spec.dtype else dtype
     # Each runner decides from its own dtype: flash-attn has no fp32 kernels.
     target_flash = flash_available(device) and dtype != torch.float32
@@ -194,8 +207,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if (target_flash or draft_flash) and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
 
-    quantization = resolve_quantization(config.quantization, config.dtype, dtype, device, config.model)
-    target_model = load_model(config.model, dtype, device, gguf_blocks=quantization == "gguf")
+    quantization = "none" if tp else resolve_quantization(config.quantization, config.dtype, dtype, device,
+                                                          config.model)
+    target_model = load_model(config.model, dtype, device, gguf_blocks=quantization == "gguf", tensor_parallel=tp)
     draft_model = draft_config = head = None
     if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
@@ -207,7 +221,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
         head = _prepared(load_eagle_head(spec.head, target_model, dtype, device), dtype, device, quantization)
-    target_model = _prepared(target_model, dtype, device, quantization)
+    if tp is None:   # a shard keeps plain linears: the parallel ones communicate, packed ones would not
+        target_model = _prepared(target_model, dtype, device, quantization)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
     if draft_config is not None:
@@ -222,8 +237,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
 
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
-    target = ModelRunner(target_model, num_blocks, block_size, dtype, device, target_flash,
-                         keep_features=head is not None)
+    target = (ParallelRunner if tp else ModelRunner)(target_model, num_blocks, block_size, dtype, device,
+                                                     target_flash, keep_features=head is not None)
+    if tp:
+        finish_setup(target, workers, num_blocks, block_size)
     # Structured outputs' forced tokens: certain drafts, first in a static plan's preference.
     proposers: dict[str, Proposer] = {"grammar": GrammarProposer()} if spec.gamma else {}
     if "draft" in spec.proposers:
@@ -254,9 +271,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
         _calibrate(costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)
-    logger.info("engine ready: model=%s dtype=%s quantization=%s fused_cpu_ops=%s device=%s kv_blocks=%d x %d "
-                "tokens, max_model_len=%d, sliding_window=%s, speculative=%s gamma=%d", config.model,
+    logger.info("engine ready: model=%s dtype=%s quantization=%s fused_cpu_ops=%s device=%s tensor_parallel=%d "
+                "kv_blocks=%d x %d tokens, max_model_len=%d, sliding_window=%s, speculative=%s gamma=%d", config.model,
                 str(dtype).replace("torch.", ""), quantization, "on" if target.fused_ops else "off", device,
+                config.tensor_parallel_size,
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
     return EngineParts(device, dtype, target, router, policy, costs, pool, max_model_len, hf_config.vocab_size,
                        eos_token_ids(config.model, hf_config), quantization)

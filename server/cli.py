@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from server.config import ENV_PREFIX, OPTIONS, ConfigError, ServerConfig, load_config
@@ -74,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 def serve(config: ServerConfig) -> int:
     """Serve until told to stop (0) or until the engine core dies (1: the orchestrator restarts us)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.tensor_parallel import torchrun_rank, worker_main
+    rank = torchrun_rank()
+    if rank:   # torchrun started every rank as `specserve serve`: ranks 1..N-1 run a shard, rank 0 serves
+        worker_main(rank, int(os.environ["WORLD_SIZE"]), "env://", config.engine)
+        return 0
     import uvicorn
 
     from server.api import create_app

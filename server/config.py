@@ -180,6 +180,9 @@ OPTIONS: tuple[Option, ...] = (
            "Q8_0's grouping), computed by C++ kernels built on first use; none keeps the dtype's weights "
            "(default auto: gguf for a quantized GGUF model on an AVX512-VNNI CPU, else bf16 where dtype auto "
            "computes in float32 on a CPU, else none)", choices=QUANTIZATIONS),
+    Option("tensor_parallel_size", _parse_int, "shard the target over this many processes on this node "
+           "(tensor parallelism: gloo on CPU, NCCL over cuda:0..N-1; under torchrun, its RANK / WORLD_SIZE / "
+           "MASTER_ADDR / MASTER_PORT; default 1)", "N"),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
     Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
     Option("engine_core", _parse_str, "where the engine loop runs: process (its own, the default: it shares no "

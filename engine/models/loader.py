@@ -20,6 +20,7 @@ from engine.models.gguf import GGUFCheckpoint, find_gguf, open_gguf
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gguf_linear import GGUFLinear, GGUFPart, quantize_blocks, servable
 from engine.models.llama import CausalLM, FusedLinear
+from engine.models.parallel import TensorParallel, build_sharded, shard_plan
 
 SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,
@@ -134,12 +135,20 @@ class SafetensorsCheckpoint:
     def tensor_names(self):
         return self.where.keys()
 
-    def tensors(self, skip=frozenset()):
+    def tensors(self, skip=frozenset(), slices=None):
+        """slices: name -> (dim, start, length), the part of that tensor to read (a tensor-parallel shard)."""
+        slices = slices or {}
         for file in self.files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    if key not in skip:
+                    if key in skip:
+                        continue
+                    if key not in slices:
                         yield key, f.get_tensor(key)
+                        continue
+                    dim, start, length = slices[key]
+                    index = (slice(None),) * dim + (slice(start, start + length),)
+                    yield key, f.get_slice(key)[index]
 
     def get(self, name: str) -> torch.Tensor | None:
         """One tensor, reading no other; None when the checkpoint has none of that name."""
@@ -177,17 +186,27 @@ def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint | TorchBinCh
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks: bool = False,
-               output_tokens: torch.Tensor | None = None, requantize: str | None = None) -> CausalLM:
+               output_tokens: torch.Tensor | None = None, requantize: str | None = None,
+               tensor_parallel: TensorParallel | None = None) -> CausalLM:
     """The model on device in dtype; with gguf_blocks (`quantization: gguf`), a GGUF file's linears in
     kernel-supported types are served from their blocks (engine/models/gguf_linear.py), never dequantized;
     with `requantize` (a GGUF type name: a draft's `speculative.quantization`), every linear of any
     checkpoint is quantized into that type at load and served by the same kernels.
     output_tokens (token ids): an LM head over those rows only (a draft vocabulary, see
-    CausalLM.compute_logits)."""
+    CausalLM.compute_logits). tensor_parallel: this rank's shard only (engine/models/parallel.py), read
+    from a safetensors checkpoint slice by slice."""
     config = load_hf_config(path)
     model_cls = SUPPORTED_ARCHITECTURES[architecture_of(config)]
     checkpoint = open_checkpoint(path)
     device = torch.device(device)
+    if tensor_parallel is not None and tensor_parallel.world_size > 1:
+        if not isinstance(checkpoint, SafetensorsCheckpoint) or gguf_blocks or requantize or output_tokens is not None:
+            raise ValueError("tensor parallelism loads safetensors checkpoints, unquantized, whole vocabulary")
+        with torch.device("meta"):
+            model = build_sharded(config, tensor_parallel)
+        load_weights(model, checkpoint, dtype, device, shard=shard_plan)
+        model.init_buffers(device, dtype)
+        return model.eval()
     with torch.device("meta"):
         model = model_cls(config)
     served = serve_gguf_linears(model, checkpoint, output_tokens, requantize) \
@@ -313,11 +332,15 @@ def _name_list(names) -> str:
 
 
 def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.device,
-                 served: frozenset[str] = frozenset()) -> None:
+                 served: frozenset[str] = frozenset(), shard=None) -> None:
     """Fill every parameter of a (meta) model from a checkpoint (safetensors or GGUF), strictly; `served`
-    names the checkpoint tensors already taken by GGUFLinears."""
+    names the checkpoint tensors already taken by GGUFLinears. shard(model, plan) -> (plan, slices): a
+    tensor-parallel rank's plan and the slice of each tensor it reads (parallel.shard_plan)."""
     where = set(checkpoint.tensor_names()) - served
     plan = _checkpoint_plan(model, where)
+    slices = None
+    if shard is not None:
+        plan, slices = shard(model, plan)
     missing = set(plan) - set(where)
     unexpected = {k for k in set(where) - set(plan) if not _is_ignorable(k, model)}
     if missing:
@@ -327,7 +350,9 @@ def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.
 
     params = dict(model.named_parameters())
     filled = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in params.items()}
-    for key, tensor in (checkpoint.tensors(skip=served) if served else checkpoint.tensors()):
+    tensors = checkpoint.tensors(slices=slices) if slices else \
+        checkpoint.tensors(skip=served) if served else checkpoint.tensors()
+    for key, tensor in tensors:
         if key not in plan:
             continue
         name, offset, rows = plan[key]

@@ -1,0 +1,249 @@
+"""Tensor parallelism (engine/models/parallel.py): a TP=2 gloo group on CPU computes the logits
+TP=1 does, for prefill and decode passes of a ragged flat batch."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.models import load_model
+from engine.models.parallel import TensorParallel
+from helpers import make_tiny_checkpoint
+from test_models import BLOCK_TABLES, new_kv_caches, random_tokens, run_pass
+
+CPU = torch.device("cpu")
+TOL = 1e-4
+CASES = {
+    "llama": dict(arch="llama"),
+    # a vocabulary that does not split evenly, tied embeddings, every bias
+    "llama_tied_odd_vocab": dict(arch="llama", vocab_size=271, tie_word_embeddings=True, attention_bias=True,
+                                 mlp_bias=True),
+    "qwen3_one_kv_head": dict(arch="qwen3", num_kv_heads=1, head_dim=32, attention_bias=True),  # replicated
+    "mistral_window": dict(arch="mistral", sliding_window=8),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_group(fn, world_size: int, *args) -> None:
+    """Run fn(rank, world_size, port, *args) in world_size spawned processes joined in one gloo group."""
+    mp.spawn(_member, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+def _member(rank, fn, world_size, port, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def passes(model) -> list[torch.Tensor]:
+    """Logits of a ragged prefill of two sequences, then four decode passes of both."""
+    kv = new_kv_caches(model)
+    a, b = random_tokens(11, seed=1), random_tokens(6, seed=2)
+    out = run_pass(model, kv, [(a[:7], 0, BLOCK_TABLES[0]), (b[:2], 0, BLOCK_TABLES[1])])
+    for step in range(4):
+        out += run_pass(model, kv, [(a[7 + step:8 + step], 7 + step, BLOCK_TABLES[0]),
+                                    (b[2 + step:3 + step], 2 + step, BLOCK_TABLES[1])])
+    return out
+
+
+def _sharded_passes(rank, world_size, paths, out_dir):
+    tp = TensorParallel(rank, world_size)
+    for name, path in paths.items():
+        logits = passes(load_model(path, torch.float32, CPU, tensor_parallel=tp))
+        if rank == 0:
+            torch.save(logits, f"{out_dir}/{name}.pt")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {name: str(make_tiny_checkpoint(tmp_path_factory.mktemp(name), seed=3, **case))
+            for name, case in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def tp2_logits(checkpoints, tmp_path_factory):
+    """Every case's logits at TP=2, from one spawned group."""
+    out_dir = tmp_path_factory.mktemp("tp2")
+    spawn_group(_sharded_passes, 2, checkpoints, str(out_dir))
+    return {name: torch.load(out_dir / f"{name}.pt") for name in CASES}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_logits_equal_tp1(case, checkpoints, tp2_logits):
+    expected = passes(load_model(checkpoints[case], torch.float32, CPU))
+    got = tp2_logits[case]
+    assert [g.shape for g in got] == [e.shape for e in expected]
+    err = max((g - e).abs().max().item() for g, e in zip(got, expected))
+    assert err < TOL, f"max abs logit error {err:.3g}"
+
+
+def test_shard_shapes(checkpoints):
+    """Rank 1 of 2 holds half the query heads and intermediate, the one KV head replicated, half the
+    (padded) vocabulary: no process group is needed to load."""
+    model = load_model(checkpoints["qwen3_one_kv_head"], torch.float32, CPU, tensor_parallel=TensorParallel(1, 2))
+    attention = model.model.layers[0].self_attn
+    assert (attention.num_heads, attention.num_kv_heads, model.num_kv_heads) == (2, 1, 1)
+    assert model.model.layers[0].mlp.intermediate == 64
+    assert model.lm_head.weight.shape == (136, 64) and model.vocab_size == 272
+    full = load_model(checkpoints["qwen3_one_kv_head"], torch.float32, CPU)
+    assert torch.equal(attention.qkv_proj.weight[64:96], full.model.layers[0].self_attn.qkv_proj.weight[128:160])
+    assert torch.equal(model.lm_head.weight, full.lm_head.weight[136:])
+
+
+def test_unshardable_configs_are_refused(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m", num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="divide"):
+        load_model(str(path), torch.float32, CPU, tensor_parallel=TensorParallel(0, 3))
+    phi = make_tiny_checkpoint(tmp_path / "phi", arch="phi3")
+    with pytest.raises(ValueError, match="tensor parallelism supports"):
+        load_model(str(phi), torch.float32, CPU, tensor_parallel=TensorParallel(0, 2))
+
+
+# ---- the engine over a TP=2 group: rank 0 runs the Engine, its worker is a subprocess ------------
+
+PROMPTS = [[72, 101, 108, 108, 111], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7]]
+ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4, quantization="none")
+
+
+def greedy(model: str, **options) -> list[list[int]]:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(model, skip_tokenizer_init=True, **ENGINE, **options)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    return [out.token_ids[len(prompt):] for out, prompt in zip(llm.generate(PROMPTS, params), PROMPTS)]
+
+
+def _greedy_in_process(model, options, out_file):
+    torch.set_num_threads(1)
+    torch.save(greedy(model, **options), out_file)
+
+
+def greedy_spawned(model: str, out_file, **options) -> list[list[int]]:
+    """greedy() in a fresh spawned process (rank 0 of its own group, which exits with it)."""
+    process = mp.get_context("spawn").Process(target=_greedy_in_process, args=(model, options, str(out_file)))
+    process.start()
+    process.join(120)
+    assert process.exitcode == 0, f"the engine process exited with {process.exitcode}"
+    return torch.load(out_file)
+
+
+@pytest.fixture(scope="module")
+def engine_target(checkpoints):
+    return checkpoints["qwen3_one_kv_head"]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(engine_target):
+    return greedy(engine_target)
+
+
+def test_engine_greedy_tp2_equals_tp1(engine_target, plain_greedy, tmp_path):
+    assert greedy_spawned(engine_target, tmp_path / "out.pt", tensor_parallel_size=2) == plain_greedy
+
+
+@pytest.mark.slow
+def test_engine_speculative_tp2_equals_plain_greedy(engine_target, checkpoints, plain_greedy, tmp_path):
+    """A draft model (unsharded, on rank 0) and n-gram drafts; verification passes on the sharded target."""
+    from helpers import make_noisy_copy
+
+    draft = make_noisy_copy(engine_target, tmp_path / "draft", noise=0.3)
+    spec = dict(method="auto", model=str(draft), proposers=["draft", "ngram"], num_speculative_tokens=3,
+                adaptive=False)
+    assert greedy_spawned(engine_target, tmp_path / "out.pt", tensor_parallel_size=2, speculative=spec) == plain_greedy
+
+
+def test_tensor_parallel_size_is_validated(engine_target):
+    from engine.config import EngineConfig
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            EngineConfig(model=engine_target, tensor_parallel_size=bad)
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model=engine_target, tensor_parallel_size=2, quantization="int8")
+
+
+# ---- `specserve serve --tensor-parallel-size 2`: the server launches its worker ----------------
+
+def test_server_tp2_completion_equals_tp1(engine_target, tmp_path):
+    import httpx
+    from conftest import ServerProcess
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    server = ServerProcess(["--model", engine_target, "--served-model-name", "tiny", "--dtype", "float32",
+                            "--device", "cpu", "--num-kv-blocks", "64", "--quantization", "none",
+                            "--tensor-parallel-size", "2"], log_path=tmp_path / "server.log").start()
+    try:
+        offline = LLM(engine_target, **ENGINE).generate(["Hello"], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                   ignore_eos=True))[0]
+        server.wait_ready()
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "Hello", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == offline.text
+    finally:
+        server.stop()
+    assert "tensor_parallel=2" in server.log()
+
+
+def _descendants_running(root: int, marker: str) -> list[int]:
+    """Pids of root's descendant processes whose command line contains marker (from /proc)."""
+    import os
+
+    parents, commands = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+                commands[int(entry)] = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+
+    def under(pid):
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+    return [pid for pid, command in commands.items() if marker in command and under(pid)]
+
+
+@pytest.mark.slow
+def test_a_dead_worker_kills_the_server(engine_target, tmp_path):
+    """A worker that dies: the request in flight fails, /health is no longer 200, the server exits 1."""
+    import os
+    import signal
+
+    import httpx
+    from conftest import ServerProcess
+
+    server = ServerProcess(["--model", engine_target, "--served-model-name", "tiny", "--dtype", "float32",
+                            "--device", "cpu", "--num-kv-blocks", "64", "--quantization", "none",
+                            "--tensor-parallel-size", "2"], log_path=tmp_path / "server.log").start()
+    try:
+        server.wait_ready()
+        (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
+        os.kill(worker, signal.SIGKILL)
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0.0})
+        assert reply.status_code != 200 or reply.json()["choices"][0]["finish_reason"] == "error", reply.text
+        try:
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass   # already gone
+        assert server.process.wait(60) == 1
+    finally:
+        server.stop()
+    assert "tensor-parallel" in server.log()
