@@ -20,7 +20,7 @@ from engine.models.cpu_linear import cpu_has_fast_bf16, pack_linears, packed_lin
 from engine.models.llama import use_fused_cpu_ops
 from engine.models import gguf_linear
 from engine.models.gguf import find_gguf, open_gguf
-from engine.models.parallel import check_shardable
+from engine.models.parallel import check_shardable, local_config
 from engine.tensor_parallel import ParallelRunner, finish_setup, rank_device, start_group
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model, special_token_ids
 from engine.models.streamed_linear import check_quantization, kernel_unavailable_reason, stream_linears
@@ -81,6 +81,12 @@ def resolve_dtype(name: str, hf_config, device: torch.device, quantization: str 
 def tensor_parallel_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
     """Every rank's dtype under tensor parallelism: its shard keeps unquantized linears (quantization none)."""
     return resolve_dtype(config.dtype, hf_config, device, "none", config.model)
+
+
+def shard_config(hf_config, tensor_parallel_size: int):
+    """The config of the target's part on one device: under tensor parallelism each rank's KV cache
+    holds only its own KV heads, so the KV budget (per device) buys blocks by the shard's heads."""
+    return local_config(hf_config, tensor_parallel_size) if tensor_parallel_size > 1 else hf_config
 
 
 def cpu_native_dtype() -> torch.dtype:
@@ -224,7 +230,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if tp is None:   # a shard keeps plain linears: the parallel ones communicate, packed ones would not
         target_model = _prepared(target_model, dtype, device, quantization)
 
-    bytes_per_block = ModelRunner.kv_bytes_per_block(hf_config, block_size, dtype)
+    bytes_per_block = ModelRunner.kv_bytes_per_block(shard_config(hf_config, config.tensor_parallel_size),
+                                                     block_size, dtype)
     if draft_config is not None:
         bytes_per_block += ModelRunner.kv_bytes_per_block(draft_config, block_size, draft_dtype)
     if head is not None:   # its one layer's KV, and the target's kept features

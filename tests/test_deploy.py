@@ -720,3 +720,35 @@ def test_missing_tool_skips_locally_and_fails_under_ci(monkeypatch, ci, outcome)
         require_module("no_such_module_xyz", "pip install xyz")
     assert require_tool("no-such-tool-xyz", "", path=sys.executable) == sys.executable   # found off PATH
     assert require_module("json", "").dumps([]) == "[]"
+
+
+def test_k8s_tensor_parallel_variant():
+    """deploy/k8s-tensor-parallel: the base set with the Deployment on 2 GPUs and the server told to
+    shard its target over them (an option the server knows). Rendered by kubectl's kustomize where it
+    is installed: the base's env and volumes kept (the RAM-backed /dev/shm NCCL uses, once), and the
+    result checked against the schema."""
+    overlay = ROOT / "deploy" / "k8s-tensor-parallel"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../k8s"]
+    patch = yaml.safe_load((overlay / kustomization["patches"][0]["path"]).read_text())
+    assert (patch["kind"], patch["metadata"]["name"]) == ("Deployment", "specserve")
+    spec = patch["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    from server import config as server_config
+    assert set(env) <= {option.env for option in server_config.OPTIONS}
+    size = int(env["SPECSERVE_TENSOR_PARALLEL_SIZE"])
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"] \
+        == size == 2
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return   # the patch itself is checked above; rendering needs kubectl
+    rendered = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, check=True).stdout
+    deployment = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment")
+    (merged,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert {"name": "SPECSERVE_TENSOR_PARALLEL_SIZE", "value": "2"} in merged["env"]
+    assert any(e["name"] == "SPECSERVE_API_KEY" for e in merged["env"])   # the base's env kept, not replaced
+    mounts = [m["mountPath"] for m in merged["volumeMounts"]]
+    assert mounts.count("/dev/shm") == 1 and "/config" in mounts
+    validator = require_module("kubernetes_validate", ".venv/bin/pip install kubernetes-validate")
+    validator.validate(deployment, "1.37", strict=True)

@@ -247,3 +247,17 @@ def test_a_dead_worker_kills_the_server(engine_target, tmp_path):
     finally:
         server.stop()
     assert "tensor-parallel" in server.log()
+
+
+def test_the_kv_budget_buys_blocks_by_a_ranks_own_kv_heads(checkpoints):
+    """Each rank caches only its KV heads: at TP = 2 a block of a 2-KV-head model costs half as many
+    bytes per device (and a replicated single KV head as many as at TP = 1)."""
+    from engine.model_runner import ModelRunner
+    from engine.models import load_hf_config
+    from engine.setup import shard_config
+
+    def block_bytes(name, size):
+        return ModelRunner.kv_bytes_per_block(shard_config(load_hf_config(checkpoints[name]), size), 16, torch.float32)
+
+    assert block_bytes("llama", 2) * 2 == block_bytes("llama", 1)
+    assert block_bytes("qwen3_one_kv_head", 2) == block_bytes("qwen3_one_kv_head", 1)
