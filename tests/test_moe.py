@@ -424,9 +424,10 @@ def test_speculative_sampling_on_moe_matches_target_distribution(small_vocab_moe
 
 # ---- one server round trip ---------------------------------------------------------------------
 
-def test_server_serves_a_moe_model(paths):
-    """A chat completion over HTTP from an in-process server on a Qwen3-MoE target with n-gram
-    speculation: the offline engine's greedy text."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_server_serves_a_moe_model(family, paths):
+    """A chat completion over HTTP from an in-process server on each MoE target with n-gram
+    speculation: the offline engine's greedy text (which equals transformers', above)."""
     import httpx
 
     from conftest import InProcessServer
@@ -435,15 +436,15 @@ def test_server_serves_a_moe_model(paths):
     from server.metrics import Metrics
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    engine = Engine(EngineConfig(model=str(paths["qwen3_moe"]), dtype="float32", device="cpu", num_kv_blocks=64,
+    engine = Engine(EngineConfig(model=str(paths[family]), dtype="float32", device="cpu", num_kv_blocks=64,
                                  max_num_seqs=8, speculative=spec))
-    tokenizer = load_tokenizer(str(paths["qwen3_moe"]))
+    tokenizer = load_tokenizer(str(paths[family]))
     messages = [{"role": "user", "content": "abcabcabc"}]
     body = {"model": "moe", "messages": messages, "max_tokens": 16, "temperature": 0}
     with InProcessServer(create_app(engine, tokenizer, "moe", None, Metrics("moe", engine.method))) as server:
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
     prompt = render_chat(tokenizer, messages)
-    expected = LLM(str(paths["qwen3_moe"]), dtype="float32", device="cpu").generate(
+    expected = LLM(str(paths[family]), dtype="float32", device="cpu").generate(
         [prompt], SamplingParams(max_tokens=16, temperature=0))[0]
     assert response["usage"]["completion_tokens"] == len(expected.token_ids)
     assert response["choices"][0]["message"]["content"] == tokenizer.decode(expected.token_ids,

@@ -154,6 +154,13 @@ def test_engine_greedy_tp2_equals_tp1(engine_target, plain_greedy, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama", "mistral_window"])
+def test_engine_greedy_tp2_equals_tp1_on_llama_and_mistral(case, checkpoints, tmp_path):
+    """The same on Llama (KV heads split) and Mistral (a window shorter than the longest prompt)."""
+    assert greedy_spawned(checkpoints[case], tmp_path / "out.pt", tensor_parallel_size=2) == greedy(checkpoints[case])
+
+
+@pytest.mark.slow
 def test_engine_speculative_tp2_equals_plain_greedy(engine_target, checkpoints, plain_greedy, tmp_path):
     """A draft model (unsharded, on rank 0) and n-gram drafts; verification passes on the sharded target."""
     from helpers import make_noisy_copy
@@ -182,17 +189,22 @@ def test_server_tp2_completion_equals_tp1(engine_target, tmp_path):
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
+    # n-gram drafts verified on the sharded target: the text of plain decoding at TP = 1
     server = ServerProcess(["--model", engine_target, "--served-model-name", "tiny", "--dtype", "float32",
                             "--device", "cpu", "--num-kv-blocks", "64", "--quantization", "none",
-                            "--tensor-parallel-size", "2"], log_path=tmp_path / "server.log").start()
+                            "--tensor-parallel-size", "2", "--speculative-config",
+                            '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'],
+                           log_path=tmp_path / "server.log").start()
     try:
-        offline = LLM(engine_target, **ENGINE).generate(["Hello"], SamplingParams(max_tokens=12, temperature=0.0,
-                                                                                   ignore_eos=True))[0]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        prompts = ["Hello", "abcabcabcabc"]
+        offline = LLM(engine_target, **ENGINE).generate(prompts, params)
         server.wait_ready()
-        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "Hello", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True})
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == offline.text
+        for prompt, expected in zip(prompts, offline):
+            reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == expected.text
     finally:
         server.stop()
     assert "tensor_parallel=2" in server.log()
@@ -222,12 +234,13 @@ def _descendants_running(root: int, marker: str) -> list[int]:
 
 @pytest.mark.slow
 def test_a_dead_worker_kills_the_server(engine_target, tmp_path):
-    """A worker that dies: the request in flight fails, /health is no longer 200, the server exits 1."""
+    """A worker killed during a stream: the stream ends with an engine_dead error event, /health is
+    no longer 200, the server exits 1."""
     import os
     import signal
 
     import httpx
-    from conftest import ServerProcess
+    from conftest import ServerProcess, sse_events
 
     server = ServerProcess(["--model", engine_target, "--served-model-name", "tiny", "--dtype", "float32",
                             "--device", "cpu", "--num-kv-blocks", "64", "--quantization", "none",
@@ -235,10 +248,14 @@ def test_a_dead_worker_kills_the_server(engine_target, tmp_path):
     try:
         server.wait_ready()
         (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
-        os.kill(worker, signal.SIGKILL)
-        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0.0})
-        assert reply.status_code != 200 or reply.json()["choices"][0]["finish_reason"] == "error", reply.text
+        body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 480, "ignore_eos": True, "stream": True,
+                "temperature": 0.0}
+        with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))   # streaming
+            os.kill(worker, signal.SIGKILL)
+            rest = sse_events(lines)
+        assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "engine_dead", rest[-3:]
         try:
             assert httpx.get(server.url + "/health", timeout=5).status_code == 503
         except httpx.TransportError:
@@ -246,7 +263,7 @@ def test_a_dead_worker_kills_the_server(engine_target, tmp_path):
         assert server.process.wait(60) == 1
     finally:
         server.stop()
-    assert "tensor-parallel" in server.log()
+    assert "the tensor-parallel group failed" in server.log() or "tensor-parallel worker(s) exited" in server.log()
 
 
 def test_the_kv_budget_buys_blocks_by_a_ranks_own_kv_heads(checkpoints):
