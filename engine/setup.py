@@ -23,7 +23,7 @@ from engine.models.gguf import find_gguf, open_gguf
 from engine.models.parallel import check_shardable, local_config
 from engine.tensor_parallel import ParallelRunner, finish_setup, rank_device, start_group
 from engine.models.loader import check_same_tokenizer, load_hf_config, load_model, special_token_ids
-from engine.models.streamed_linear import check_quantization, kernel_unavailable_reason, stream_linears
+from engine.models.streamed_linear import BLOCKED_ROWS, check_quantization, kernel_unavailable_reason, stream_linears
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
@@ -228,7 +228,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
         head = _prepared(load_eagle_head(spec.head, target_model, dtype, device), dtype, device, quantization)
     if tp is None:   # a shard keeps plain linears: the parallel ones communicate, packed ones would not
-        target_model = _prepared(target_model, dtype, device, quantization)
+        # One request's verification pass (its last token and its largest chain or tree) computes each row
+        # as a decode step would: greedy speculation at one stream gives plain decoding's tokens.
+        exact_rows = max(BLOCKED_ROWS, 1 + max(spec.gamma, spec.tree_nodes))
+        target_model = _prepared(target_model, dtype, device, quantization, exact_rows)
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(shard_config(hf_config, config.tensor_parallel_size),
                                                      block_size, dtype)
@@ -298,12 +301,13 @@ def _decode_grids(config: EngineConfig, device: torch.device, query_lens: dict, 
                                       capture=config.cuda_graphs)
 
 
-def _prepared(model, dtype: torch.dtype, device: torch.device, quantization: str):
+def _prepared(model, dtype: torch.dtype, device: torch.device, quantization: str, exact_rows: int = BLOCKED_ROWS):
     """The model in its serving form on CPU: linears weight-only bf16 / int8 when asked, else
     oneDNN-packed (both make small-batch matmuls, i.e. verification, cheaper than torch's default);
-    in fp32, the layers' small ops fused (engine/cpu_kernels.py)."""
+    in fp32, the layers' small ops fused (engine/cpu_kernels.py). exact_rows: bf16 passes of fewer
+    rows keep row-independent results (streamed_linear.StreamedLinear)."""
     if quantization != "none":   # with gguf: the linears left dense (types without a kernel) as bf16
-        stream_linears(model, "bf16" if quantization == "gguf" else quantization)
+        stream_linears(model, "bf16" if quantization == "gguf" else quantization, exact_rows)
     if packed_linear_available(device, dtype):   # every linear left (all of them without quantization)
         pack_linears(model)
     if fused_ops_usable(device, dtype):

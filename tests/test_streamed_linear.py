@@ -74,6 +74,20 @@ def _has_avx512_bf16() -> bool:
 
 
 @pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512-BF16")
+def test_passes_narrower_than_exact_rows_keep_row_independent_results():
+    """exact_rows (the engine passes one request's largest verification pass, 1 + its largest chain or
+    tree): every pass below it stays on the kernel, so a 33-row tree pass computes each row as the
+    1-row decode step would, whatever the shape's measured crossing to oneDNN."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2 * 96, 40)
+    layer = StreamedLinear(linear, "bf16", exact_rows=33)
+    assert layer.native_rows >= 33
+    x = torch.randn(32, 2 * 96)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), torch.cat([layer(x[i:i + 1]) for i in range(32)]))
+
+
+@pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU has no AVX512-BF16")
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 13, BLOCKED_ROWS - 1, BLOCKED_ROWS, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_narrow_bf16_passes_use_dot_products_where_the_cpu_has_avx512_bf16(rows, bias):

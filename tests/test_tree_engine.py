@@ -179,3 +179,14 @@ def test_draft_model_trees_under_kv_pressure_and_seeded(target, prompts, plain, 
     plain_seeded = generate(EngineConfig(model=target, dtype="float32"), prompts, params)[0]
     tokens, _, trees = generate(draft_tree_config(target, drafts["random"]), prompts, params)
     assert tokens == plain_seeded and trees > 0
+
+
+def test_one_requests_tree_pass_stays_on_row_independent_linears(target):
+    """bf16 linears switch to oneDNN's GEMM from a row count timed at load (at least 16): the engine
+    keeps every pass of up to one request's largest tree (1 + tree_nodes rows) below it, so a tree
+    row's logits are the decode row's and greedy trees give plain decoding's tokens at one stream."""
+    from engine.models.streamed_linear import StreamedLinear
+
+    engine = Engine(tree_config(target, "ngram", tree_nodes=24, quantization="bf16"))
+    linears = [m for m in engine.target.model.modules() if isinstance(m, StreamedLinear)]
+    assert linears and all(m.native_rows is None or m.native_rows >= 25 for m in linears)

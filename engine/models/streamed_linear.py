@@ -98,7 +98,9 @@ class StreamedLinear(nn.Module):
     matmul on `packed` instead (None elsewhere); `blocks`, where the kernel has AVX512-BF16, serves
     the narrower passes (and `weight` is then None)."""
 
-    def __init__(self, linear: nn.Linear, fmt: str):
+    def __init__(self, linear: nn.Linear, fmt: str, exact_rows: int = BLOCKED_ROWS):
+        """exact_rows: passes of fewer rows stay on the kernel, whose rows do not depend on their pass
+        (at least BLOCKED_ROWS; the engine asks for one request's largest verification pass)."""
         super().__init__()
         if fmt not in ("bf16", "int8"):
             raise ValueError(f"StreamedLinear format must be bf16 or int8, got {fmt!r}")
@@ -117,7 +119,7 @@ class StreamedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_HINT_ROWS)
             if self._kernel.has_avx512_bf16() and self.out_features % BLOCK_OUTPUTS == 0:
                 self.blocks, self.weight = self._kernel.pack_bf16_blocks(self.weight), None
-                self.native_rows = native_rows(self)
+                self.native_rows = max(exact_rows, native_rows(self))
 
     def weight_elements(self) -> int:
         return self.in_features * self.out_features
@@ -222,11 +224,12 @@ def streamable(linear: nn.Module) -> bool:
     return isinstance(linear, nn.Linear) and linear.in_features % GROUP == 0
 
 
-def stream_linears(model: nn.Module, fmt: str) -> int:
+def stream_linears(model: nn.Module, fmt: str, exact_rows: int = BLOCKED_ROWS) -> int:
     """Swap every nn.Linear of `model` whose input width is a multiple of 32 (in place) for a
-    StreamedLinear; returns how many. A tied LM head gets its own copy (the embedding stays)."""
+    StreamedLinear (exact_rows: see there); returns how many. A tied LM head gets its own copy (the
+    embedding stays)."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if streamable(child)]
     for parent, name, child in targets:
-        setattr(parent, name, StreamedLinear(child, fmt))
+        setattr(parent, name, StreamedLinear(child, fmt, exact_rows))
     return len(targets)
