@@ -285,6 +285,17 @@ class Engine:
                                   f"the last error: {type(exc).__name__}: {exc}") from exc
         return outputs
 
+    def check_alive(self) -> None:
+        """EngineDeadError when a part of the engine in another process (a tensor-parallel worker) has
+        died. The engine core asks while it waits for requests, so a dead group turns /health to 503
+        at once rather than at the next request's pass."""
+        workers = getattr(self.target, "workers", None)
+        if workers is not None:
+            try:
+                workers.check()
+            except WorkerGroupError as exc:
+                self._check_device(exc)
+
     @staticmethod
     def _check_device(exc: Exception) -> None:
         if isinstance(exc, WorkerGroupError):   # the shards are out of step: no pass can run again

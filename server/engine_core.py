@@ -40,6 +40,7 @@ logger = logging.getLogger("specserve.server")
 
 STOP = ("stop",)
 IDLE_PAUSE_S = 0.005   # when nothing could be scheduled: wait this long for a command instead of spinning
+IDLE_CHECK_S = 1.0     # while idle, ask the engine this often whether its other processes still live
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ class EngineInfo:
 
 
 class EngineCore:
-    """The loop. `inbox.get(block)` returns the commands queued so far (waiting for one when block)
-    or None to stop; `inbox.pause()` waits briefly for a command; `send(message)` delivers."""
+    """The loop. `inbox.get(block, timeout)` returns the commands queued so far (when block, waiting
+    up to timeout for one) or None to stop; `inbox.pause()` waits briefly for a command; `send(message)` delivers."""
 
     def __init__(self, engine, inbox, send: Callable[[tuple], None]):
         self.engine, self.inbox, self.send = engine, inbox, send
@@ -78,9 +79,13 @@ class EngineCore:
         last_step = 0
         try:
             while True:
-                commands = self.inbox.get(block=not self.engine.has_unfinished_requests())
+                idle = not self.engine.has_unfinished_requests()
+                commands = self.inbox.get(block=idle, timeout=IDLE_CHECK_S)
                 if commands is None:
                     return
+                if idle and not commands:   # a quiet second: a dead worker must not wait for a request
+                    self._check_alive()
+                    continue
                 self._apply(commands)
                 if not self.engine.has_unfinished_requests():
                     self.send(("idle", self.status()))
@@ -96,6 +101,11 @@ class EngineCore:
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop is reported, not re-raised
             logger.exception("the engine loop died")
             self.send(("dead", f"the engine loop died: {type(exc).__name__}: {exc}"))
+
+    def _check_alive(self) -> None:
+        check = getattr(self.engine, "check_alive", None)   # test doubles of the engine may have none
+        if check is not None:
+            check()
 
     def status(self) -> EngineStatus | None:
         status = getattr(self.engine, "status", None)   # test doubles of the engine may have none
@@ -142,10 +152,12 @@ class _ThreadInbox:
             self.commands.extend(commands)
             self.wakeup.notify()
 
-    def get(self, block: bool) -> list[tuple] | None:
+    def get(self, block: bool, timeout: float | None = None) -> list[tuple] | None:
+        """The commands queued so far; when block, first waits for one (at most timeout seconds: then
+        none), or None once stopping."""
         with self.wakeup:
-            while block and not self.commands and not self.stopping:
-                self.wakeup.wait()
+            if block and not self.commands and not self.stopping:
+                self.wakeup.wait_for(lambda: self.commands or self.stopping, timeout)
             if self.stopping:
                 return None
             commands = list(self.commands)
@@ -200,10 +212,10 @@ class _PipeInbox:
     def __init__(self, conn):
         self.conn = conn
 
-    def get(self, block: bool) -> list[tuple] | None:
+    def get(self, block: bool, timeout: float | None = None) -> list[tuple] | None:
         commands = []
         if block:
-            self.conn.poll(None)
+            self.conn.poll(timeout)
         while self.conn.poll(0):
             command = self.conn.recv()
             if command == STOP:

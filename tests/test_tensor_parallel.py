@@ -278,3 +278,35 @@ def test_the_kv_budget_buys_blocks_by_a_ranks_own_kv_heads(checkpoints):
 
     assert block_bytes("llama", 2) * 2 == block_bytes("llama", 1)
     assert block_bytes("qwen3_one_kv_head", 2) == block_bytes("qwen3_one_kv_head", 1)
+
+
+@pytest.mark.slow
+def test_a_worker_dying_while_the_server_is_idle_turns_health_503(engine_target, tmp_path):
+    """No request in flight: the engine core's idle check (every IDLE_CHECK_S) notices the dead worker,
+    /health answers 503 and the server exits 1 without waiting for a request."""
+    import os
+    import signal
+    import time
+
+    import httpx
+    from conftest import ServerProcess
+
+    server = ServerProcess(["--model", engine_target, "--served-model-name", "tiny", "--dtype", "float32",
+                            "--device", "cpu", "--num-kv-blocks", "64", "--quantization", "none",
+                            "--tensor-parallel-size", "2"], log_path=tmp_path / "server.log").start()
+    try:
+        server.wait_ready()
+        (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
+        os.kill(worker, signal.SIGKILL)
+        deadline, status = time.monotonic() + 30, 200
+        while status == 200 and time.monotonic() < deadline:
+            try:
+                status = httpx.get(server.url + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                status = None   # already gone
+            time.sleep(0.2)
+        assert status != 200
+        assert server.process.wait(60) == 1
+    finally:
+        server.stop()
+    assert "tensor-parallel worker(s) exited" in server.log()
