@@ -149,6 +149,57 @@ def test_bidirectional_gemma_is_refused(tmp_path):
         load_model(str(path), torch.float32, CPU)
 
 
+@pytest.fixture(scope="module")
+def vision_language(tmp_path_factory):
+    """A tiny Gemma3ForConditionalGeneration (a SigLIP tower and projector beside the decoder), saved by
+    transformers in the hub's layout (language_model.model.*, vision_tower.*), with the byte tokenizer."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from helpers import make_tokenizer
+
+    path = tmp_path_factory.mktemp("gemma3_vl")
+    text = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], pad_token_id=PAD_ID)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(3)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                        image_token_index=271, boi_token_index=269,
+                                                        eoi_token_index=270)).eval()
+    with torch.no_grad():   # norms away from their (1 + 0) identity, so a wrong mapping shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    make_tokenizer(272).save_pretrained(path)
+    return path, model
+
+
+def test_a_vision_language_gemma_3_serves_its_language_model(vision_language, tmp_path):
+    """Gemma3ForConditionalGeneration read as its Gemma 3 decoder: the text config, the decoder's tensors
+    renamed, the vision tower's left unread; text-only logits equal transformers' whole model's, and
+    the loading stays strict for everything but the vision tensors."""
+    from safetensors.torch import load_file
+    from test_models import copy_checkpoint
+
+    path, reference_model = vision_language
+    config = load_hf_config(path)
+    assert config.architectures == ["Gemma3ForCausalLM"] and config.num_hidden_layers == 2
+    ours = load_model(str(path), torch.float32, CPU)
+    assert isinstance(ours, Gemma3ForCausalLM)
+    assert any(k.startswith("vision_tower.") for k in load_file(path / "model.safetensors"))
+    tokens = random_tokens(12, seed=4)
+    with torch.inference_mode():
+        expected = reference_model(input_ids=torch.tensor([tokens])).logits[0].float()
+    (logits,) = run_pass(ours, long_kv_caches(ours, 8), [(tokens, 0, long_tables(1, 8)[0])])
+    assert_close(logits, expected)
+    extra = copy_checkpoint(path, tmp_path / "extra",
+                            lambda t: {**t, "language_model.model.layers.0.mlp.extra.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.extra\.weight"):
+        load_model(str(extra), torch.float32, CPU)
+
+
 # ---------------------------------------------------------------- the engine
 
 PROMPTS = [random_tokens(22, seed=8), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], random_tokens(4, seed=9)]

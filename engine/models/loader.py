@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.gguf import GGUFCheckpoint, find_gguf, open_gguf
+from engine.models.multimodal import text_config, text_view
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gguf_linear import GGUFLinear, GGUFPart, quantize_blocks, servable
 from engine.models.llama import CausalLM, FusedLinear
@@ -52,9 +53,10 @@ def load_hf_config(path):
     if not (directory / "config.json").is_file():
         raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint: it has no config.json")
     try:
-        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # unknown model_type, malformed JSON, ...
         raise ValueError(f"cannot read the config in {str(path)!r}: {exc}") from exc
+    return text_config(config)   # a vision-language checkpoint is served as its language model
 
 
 def architecture_of(config) -> str:
@@ -182,7 +184,7 @@ def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint | TorchBinCh
     pickled = Path(path) / "pytorch_model.bin"
     if pickled.is_file() and not list(Path(path).glob("model*.safetensors*")):
         return TorchBinCheckpoint(pickled)
-    return SafetensorsCheckpoint(weight_files(path))
+    return text_view(SafetensorsCheckpoint(weight_files(path)))
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks: bool = False,
