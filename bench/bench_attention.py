@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import engine.attention as attention  # noqa: E402
+import engine.attention_metadata as attention_metadata  # noqa: E402
 from engine.attention import AttentionMetadata, paged_attention  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -56,9 +56,9 @@ def layer_call(batch: int, context: int, q_len: int, dtype: torch.dtype, layout:
     key = torch.randn(batch * q_len, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
     metas = {}
     for path in PATHS:
-        attention.TORCH_ATTENTION = path
+        attention_metadata.TORCH_ATTENTION = path
         metas[path] = AttentionMetadata.build([q_len] * batch, seq_lens, tables, BLOCK_SIZE, torch.device("cpu"))
-    attention.TORCH_ATTENTION = "auto"
+    attention_metadata.TORCH_ATTENTION = "auto"
     return lambda path: paged_attention(query, key, key, cache, metas[path], HEAD_DIM ** -0.5)
 
 
@@ -125,9 +125,9 @@ def engine_figure(name: str, overrides: dict, prompt_len: int, new_tokens: int, 
     best = dict.fromkeys(PATHS, 0.0)
     for _ in range(repeats):
         for path_name in PATHS:
-            attention.TORCH_ATTENTION = path_name
+            attention_metadata.TORCH_ATTENTION = path_name
             best[path_name] = max(best[path_name], ours_tokens_per_s(llm, batch, new_tokens, 1))
-    attention.TORCH_ATTENTION = "auto"
+    attention_metadata.TORCH_ATTENTION = "auto"
     print(f"engine {name} (dtype {str(llm.engine.dtype).replace('torch.', '')}, 16 requests, {prompt_len}-token "
           f"prompts, {new_tokens} new tokens): padded {best['padded']:.1f} tok/s, sequences "
           f"{best['sequences']:.1f} tok/s, {best['sequences'] / best['padded']:.2f}x", flush=True)

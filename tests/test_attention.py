@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import engine.attention as attention
+import engine.attention_metadata as attention_metadata
 from engine import cpu_kernels
-from engine.attention import SEQUENCE_MAX_QUERY, AttentionMetadata, paged_attention, rope_paged_attention
+from engine.attention import AttentionMetadata, paged_attention, rope_paged_attention
+from engine.attention_metadata import SEQUENCE_MAX_QUERY
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -79,7 +81,7 @@ def run_paths(q_lens, seq_lens, layouts, num_heads=9, num_kv_heads=3, dtype=torc
     scale = HEAD_DIM ** -0.5
     outs = {}
     for path in ("padded", "sequences"):
-        attention.TORCH_ATTENTION = path
+        attention_metadata.TORCH_ATTENTION = path
         meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window)
         layer_cache = cache.clone()
         outs[path] = paged_attention(query, key, value, layer_cache, meta, scale, window).float()
@@ -93,7 +95,7 @@ def run_paths(q_lens, seq_lens, layouts, num_heads=9, num_kv_heads=3, dtype=torc
 def kernel_attention(query, key, value, cache, q_lens, seq_lens, tables, scale, window, expected_cache):
     """The C++ kernel on the same pass, with RoPE the identity (cos 1, sin 0: the paths above take
     rotated queries and keys); it must leave the cache as paged_attention did."""
-    attention.TORCH_ATTENTION = "auto"
+    attention_metadata.TORCH_ATTENTION = "auto"
     meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window, kernel=True)
     assert meta.kernel and meta.plan is None and meta.windowed is None
     layer_cache = cache.clone()
@@ -112,7 +114,7 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
 @pytest.fixture(autouse=True)
 def default_path():
     yield
-    attention.TORCH_ATTENTION = "auto"
+    attention_metadata.TORCH_ATTENTION = "auto"
 
 
 def assert_paths_agree(outs, dtype=torch.float32):
@@ -268,7 +270,7 @@ def test_kernel_only_for_decode_shaped_rows():
     assert not long.kernel and long.kernel_rows and [g.kernel for _, g in long.groups] == [True, False]
     assert not AttentionMetadata.build([34], [40], tables[:1], BLOCK_SIZE, CPU, kernel=True).kernel_rows
     assert not AttentionMetadata.build([1, 3], [40, 40], tables, BLOCK_SIZE, CPU).kernel
-    attention.TORCH_ATTENTION = "sequences"
+    attention_metadata.TORCH_ATTENTION = "sequences"
     assert not AttentionMetadata.build([1, 3], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True).kernel
 
 
@@ -301,7 +303,7 @@ def test_plan_groups_and_views():
     read in place; prefill chunks go to the padded path."""
     tables = [list(range(100, 120)), [9, 2, 3, 8], [30, 31, 32, 33], [20, 21, 22, 23], [40, 41, 42, 43]]
     q_lens, seq_lens = [1, 1, 33, 5, 34], [300, 40, 60, 50, 64]
-    attention.TORCH_ATTENTION = "sequences"
+    attention_metadata.TORCH_ATTENTION = "sequences"
     meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=20)
     (short_rows, short), (long_rows, long) = meta.groups
     assert long.plan is None and long.block_ids is not None and long_rows.tolist() == list(range(40, 74))
@@ -323,7 +325,7 @@ def test_each_prefill_chunk_takes_its_own_call():
     longest one's attention): each takes the padded path alone, a whole prompt causal without a mask,
     a chunk after cached keys with its own mask; decode rows keep their plan. Outputs: test_mixed_batch."""
     tables = [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
-    attention.TORCH_ATTENTION = "sequences"
+    attention_metadata.TORCH_ATTENTION = "sequences"
     meta = AttentionMetadata.build([40, 70, 1], [40, 90, 20], tables, BLOCK_SIZE, CPU)
     (decode_rows, decode), (fresh_rows, fresh), (chunk_rows, chunk) = meta.groups
     assert decode.plan is not None and decode_rows.tolist() == [110]
@@ -341,12 +343,12 @@ def test_close_key_counts_share_a_call():
 
 
 def test_path_switch():
-    attention.TORCH_ATTENTION = "auto"
+    attention_metadata.TORCH_ATTENTION = "auto"
     assert AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU).plan is not None   # CPU default
-    attention.TORCH_ATTENTION = "padded"
+    attention_metadata.TORCH_ATTENTION = "padded"
     meta = AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU)
     assert meta.plan is None and meta.block_ids is not None
-    attention.TORCH_ATTENTION = "fastest"
+    attention_metadata.TORCH_ATTENTION = "fastest"
     with pytest.raises(ValueError, match="auto, sequences or padded"):
         AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU)
 
@@ -391,7 +393,7 @@ def extras_paths(q_lens, seq_lens, layouts, softcap, sinks, window, heads=(9, 3)
     extras = dict(softcap=softcap, sinks=None if sinks is None else sinks.to(dtype))
     outs = {}
     for path in ("padded", "sequences", "auto"):   # auto with kernel=True: the kernel's metadata, not its call
-        attention.TORCH_ATTENTION = path
+        attention_metadata.TORCH_ATTENTION = path
         meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window,
                                        kernel=path == "auto")
         layer_cache = cache.to(dtype)
@@ -463,7 +465,7 @@ def test_decode_grid_metadata_with_extras():
     query, key, value = (torch.randn(6, h, HEAD_DIM, generator=g) for h in (4, 2, 2))
     cache = torch.randn(2, 8, BLOCK_SIZE, 2, HEAD_DIM, generator=g)
     extras = dict(softcap=1.0, sinks=torch.tensor([0.5, -0.5, 1.0, 0.0]))
-    attention.TORCH_ATTENTION = "padded"
+    attention_metadata.TORCH_ATTENTION = "padded"
     padded = AttentionMetadata.build([q_len] * 2, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=16)
     expected = paged_attention(query, key, value, cache.clone(), padded, 0.2, 16, **extras)
     torch.testing.assert_close(paged_attention(query, key, value, cache.clone(), grid, 0.2, 16, **extras), expected,

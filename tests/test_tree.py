@@ -143,10 +143,10 @@ def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, monkeypatch, arc
     pass over the context and that node's path, beside a chain in the same pass."""
     from helpers import make_tiny_checkpoint
 
-    from engine import LLM, attention
+    from engine import LLM, attention_metadata
     from engine.model_runner import ForwardItem
 
-    monkeypatch.setattr(attention, "TORCH_ATTENTION", "auto" if path == "kernel" else path)
+    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "auto" if path == "kernel" else path)
 
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=5)
     runner = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8,
@@ -218,10 +218,10 @@ def test_a_tree_fed_level_by_level_gives_each_node_its_paths_logits(tmp_path, mo
     the logits of a plain pass over the context and its path."""
     from helpers import make_tiny_checkpoint
 
-    from engine import LLM, attention
+    from engine import LLM, attention_metadata
     from engine.model_runner import ForwardItem
 
-    monkeypatch.setattr(attention, "TORCH_ATTENTION", "auto" if path == "kernel" else path)
+    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "auto" if path == "kernel" else path)
     runner = LLM(str(make_tiny_checkpoint(tmp_path / "t", arch="llama", seed=8)), dtype="float32", device="cpu",
                  num_kv_blocks=64, block_size=4, skip_tokenizer_init=True).engine.target
     context, table = list(range(40, 57)), [3, 4, 5, 6, 7, 8, 9]
