@@ -107,7 +107,7 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] -> rotated [T, H, D] (neox style; see models.llama.RotaryEmbedding for the layout)."""
+    """x [T, H, D] -> rotated [T, H, D] (neox style; see models.rope.RotaryEmbedding for the layout)."""
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
 
 

@@ -240,7 +240,7 @@ def test_kernel_rows_beside_prefill_chunks(window):
 def test_kernel_rope_matches_apply_rope():
     """Real cos / sin: the kernel rotates queries and keys as apply_rope does (one sequence, keys and
     queries checked through the cache and the output of a one-key attention)."""
-    from engine.models.llama import RotaryEmbedding
+    from engine.models.rope import RotaryEmbedding
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=4 * HEAD_DIM, num_attention_heads=4, rope_theta=10000.0, max_position_embeddings=64)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from engine.attention import AttentionMetadata
 from engine.models import SUPPORTED_ARCHITECTURES, CausalLM, load_hf_config, load_model
-from engine.models.llama import rope_inverse_frequencies
+from engine.models.rope import rope_inverse_frequencies
 from helpers import make_tiny_checkpoint, make_tiny_config
 
 CPU = torch.device("cpu")
@@ -401,7 +401,7 @@ def test_longrope_rotates_by_the_long_factors_from_the_original_length_on(tmp_pa
     from transformers import AutoConfig
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from engine.models.llama import RotaryEmbedding
+    from engine.models.rope import RotaryEmbedding
 
     path = make_tiny_checkpoint(tmp_path / "phi3", arch="phi3", seed=1, max_position_embeddings=256,
                                 rope_parameters=PHI3_LONGROPE)

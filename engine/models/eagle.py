@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding, scatter_draft_logits
+from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, scatter_draft_logits
+from engine.models.rope import RotaryEmbedding
 
 HEAD_FORMAT = 1
 FEATURE = "final_norm_hidden"

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, rope_paged_attention
-from engine.models.llama import CausalLM, FusedLinear, RotaryEmbedding, layer_sliding_windows, scatter_draft_logits
+from engine.models.llama import CausalLM, FusedLinear, layer_sliding_windows, scatter_draft_logits
+from engine.models.rope import RotaryEmbedding
 
 # transformers' names of the MLP gate activations Gemma configs use -> F.gelu's `approximate`.
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
@@ -117,7 +118,7 @@ class GemmaDecoderLayer(nn.Module):
 
 
 def rope_configs(config) -> dict[str, object]:
-    """layer type -> a config whose flat rope_parameters are that type's, for llama.RotaryEmbedding. Gemma 3
+    """layer type -> a config whose flat rope_parameters are that type's, for rope.RotaryEmbedding. Gemma 3
     keys its rope_parameters by layer type; Gemma 2 has one RoPE for every layer."""
     from transformers import LlamaConfig
 
