@@ -15,7 +15,8 @@ from engine import LLM, SamplingParams, cpu_kernels
 from engine.attention import AttentionMetadata
 from engine.models import load_hf_config, load_model
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from engine.models.gguf import GGUFCheckpoint, write_gguf
+from engine.models.gguf import GGUFCheckpoint
+from engine.models.gguf_writer import write_gguf
 from engine.models.gguf_linear import GGUFLinear
 from helpers import PAD_ID, make_noisy_copy, make_tiny_checkpoint
 from test_models import assert_close, long_kv_caches, long_tables, random_tokens, reference_logits, run_pass

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.gguf import GGUFCheckpoint, find_gguf, permute_rotary, unpermute_rotary, write_gguf
+from engine.models.gguf import GGUFCheckpoint, find_gguf, permute_rotary, unpermute_rotary
+from engine.models.gguf_writer import write_gguf
 from engine.models.loader import load_hf_config, load_model
 from helpers import make_tiny_checkpoint
 from engine.tokenizer import load_tokenizer

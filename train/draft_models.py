@@ -138,7 +138,7 @@ def load_existing_draft(path: str, target, target_path: str):
 def export_draft(draft, out_dir: Path, target_dir: Path, save_format: str, save_dtype: str, gguf_type: str) -> Path:
     """The serving copy: a Hugging Face directory (safetensors in save_dtype, the target's tokenizer
     files), or one GGUF file carrying the target's tokenizer (quantized weights fit where bf16 would not)."""
-    from engine.models.gguf import write_gguf
+    from engine.models.gguf_writer import write_gguf
     from engine.tokenizer import load_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
