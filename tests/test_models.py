@@ -46,10 +46,12 @@ BLOCK_TABLES = [[9, 3, 14, 6, 21, 0, 17, 30], [1, 12, 5, 27, 8, 19, 2, 25]]
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
     """(our model, transformers' model) loaded from the same tiny checkpoint."""
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **CASES[request.param])
-    ours = load_model(str(path), torch.float32, CPU)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, ref
+    return load_pair(make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **CASES[request.param]))
+
+
+def load_pair(path):
+    """Our fp32 model and transformers' from one checkpoint (the parity tests' pair)."""
+    return load_model(str(path), torch.float32, CPU), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def new_kv_caches(model):

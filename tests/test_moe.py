@@ -18,7 +18,7 @@ from engine.models import load_model
 from engine.models.moe import (HUB_NAMES, Experts, GptOssMoeBlock, SparseMoeBlock, grouped_mm_usable,
                                is_sparse_layer)
 from helpers import make_tiny_checkpoint, run_requests
-from test_models import CPU, TOL, copy_checkpoint, logits_of, random_tokens
+from test_models import CPU, TOL, copy_checkpoint, load_pair, logits_of, random_tokens
 # The parity tests of test_models.py, run again here on this module's MoE `pair` fixture.
 from test_models import test_batched_ragged, test_chunked_prefill, test_prefill_then_decode  # noqa: F401
 
@@ -52,10 +52,7 @@ def make_moe_checkpoint(path, seed: int, **kwargs):
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
     """(our model, transformers' model) from the same tiny checkpoint."""
-    path = make_moe_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **CASES[request.param])
-    ours = load_model(str(path), torch.float32, CPU)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, ref
+    return load_pair(make_moe_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **CASES[request.param]))
 
 
 def test_sparse_layers_as_the_config_says(pair):

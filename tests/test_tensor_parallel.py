@@ -183,18 +183,23 @@ def test_tensor_parallel_size_is_validated(engine_target):
 
 # ---- `specserve serve --tensor-parallel-size 2`: the server launches its worker ----------------
 
+def tp_server(model: str, tmp_path, *flags: str):
+    """A started `specserve serve --tensor-parallel-size 2` process on a tiny checkpoint (not yet ready)."""
+    from conftest import ServerProcess
+
+    return ServerProcess(["--model", model, "--served-model-name", "tiny", "--dtype", "float32", "--device", "cpu",
+                          "--num-kv-blocks", "64", "--quantization", "none", "--tensor-parallel-size", "2", *flags],
+                         log_path=tmp_path / "server.log").start()
+
+
 def test_server_tp2_completion_equals_tp1(engine_target, tmp_path):
     import httpx
-    from conftest import ServerProcess
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     # n-gram drafts verified on the sharded target: the text of plain decoding at TP = 1
-    server = ServerProcess(["--model", engine_target, "--served-model-name", "tiny", "--dtype", "float32",
-                            "--device", "cpu", "--num-kv-blocks", "64", "--quantization", "none",
-                            "--tensor-parallel-size", "2", "--speculative-config",
-                            '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'],
-                           log_path=tmp_path / "server.log").start()
+    server = tp_server(engine_target, tmp_path, "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}')
     try:
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         prompts = ["Hello", "abcabcabcabc"]
@@ -240,11 +245,9 @@ def test_a_dead_worker_kills_the_server(engine_target, tmp_path):
     import signal
 
     import httpx
-    from conftest import ServerProcess, sse_events
+    from conftest import sse_events
 
-    server = ServerProcess(["--model", engine_target, "--served-model-name", "tiny", "--dtype", "float32",
-                            "--device", "cpu", "--num-kv-blocks", "64", "--quantization", "none",
-                            "--tensor-parallel-size", "2"], log_path=tmp_path / "server.log").start()
+    server = tp_server(engine_target, tmp_path)
     try:
         server.wait_ready()
         (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
@@ -289,11 +292,8 @@ def test_a_worker_dying_while_the_server_is_idle_turns_health_503(engine_target,
     import time
 
     import httpx
-    from conftest import ServerProcess
 
-    server = ServerProcess(["--model", engine_target, "--served-model-name", "tiny", "--dtype", "float32",
-                            "--device", "cpu", "--num-kv-blocks", "64", "--quantization", "none",
-                            "--tensor-parallel-size", "2"], log_path=tmp_path / "server.log").start()
+    server = tp_server(engine_target, tmp_path)
     try:
         server.wait_ready()
         (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")

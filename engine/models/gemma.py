@@ -169,34 +169,21 @@ class GemmaModel(nn.Module):
 
 class GemmaForCausalLM(CausalLM):
     """Gemma 2 / Gemma 3 decoder + LM head, with CausalLM's interface (forward, compute_logits,
-    init_buffers, tie_weights, features). CausalLM's __init__ builds a Llama decoder, so this one sets the
-    same attributes around a Gemma decoder instead."""
+    init_buffers, tie_weights, features) around a Gemma decoder (build_decoder)."""
 
     qk_norm = False
+    tied_by_default = True
+    _fused_ops = False
 
     def __init__(self, config):
-        nn.Module.__init__(self)
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not supported")
-        self.config = config
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
-        self.max_position_embeddings = config.max_position_embeddings
-        self.sliding_window = next((w for w in layer_sliding_windows(config) if w is not None), None)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        super().__init__(config)
         self.attn_softcap = getattr(config, "attn_logit_softcapping", None)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        self._fused_ops = False
-        self.model = GemmaModel(config, self.head_dim, self.qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-        weight = self.lm_head.weight
-        if not weight.is_meta:  # built on the meta device, the loader calls init_buffers after loading
-            self.init_buffers(weight.device, weight.dtype)
+
+    def build_decoder(self, config) -> nn.Module:
+        return GemmaModel(config, self.head_dim, self.qk_norm)
 
     @property
     def fused_ops(self) -> bool:

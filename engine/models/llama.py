@@ -277,13 +277,19 @@ class CausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
         self.sliding_window = _sliding_window(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, self.head_dim, architecture_flags(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tied_by_default))
+        self.model = self.build_decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         weight = self.lm_head.weight
         if not weight.is_meta:  # built on the meta device, the loader calls init_buffers after loading
             self.init_buffers(weight.device, weight.dtype)
+
+    tied_by_default = False   # whether the LM head is the embedding when the config does not say
+
+    def build_decoder(self, config) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm): the Llama family's; other families override."""
+        return LlamaModel(config, self.head_dim, architecture_flags(config))
 
     def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
         """(Re)build the derived, non-checkpoint buffers (RoPE cache, norm eps) on device."""
