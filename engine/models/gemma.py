@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, rope_paged_attention
-from engine.models.llama import CausalLM, FusedLinear, layer_sliding_windows, scatter_draft_logits
+from engine.models.llama import Attention, CausalLM, FusedLinear, layer_sliding_windows, scatter_draft_logits
 from engine.models.rope import RotaryEmbedding
 
 # transformers' names of the MLP gate activations Gemma configs use -> F.gelu's `approximate`.
@@ -49,37 +48,22 @@ class GemmaRMSNorm(nn.Module):
         return gemma_rms_norm(x, self.weight, self.eps)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(Attention):
+    """The Llama family's attention with Gemma's query scale (query_pre_attn_scalar), Gemma 2's score
+    soft-capping, and Gemma 3's q/k norms scaling by (1 + weight)."""
+
     def __init__(self, config, head_dim: int, sliding_window: int | None, qk_norm: bool):
-        super().__init__()
-        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = head_dim
-        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        super().__init__(config, head_dim, bias, bias, qk_norm=False, sliding_window=sliding_window)
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
         self.softcap = getattr(config, "attn_logit_softcapping", None)   # Gemma 2; None for Gemma 3
-        self.sliding_window = sliding_window   # None: full attention
-        self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size],
-                                    ["q_proj", "k_proj", "v_proj"], bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(hidden).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
-        qk, value = qkv.split([num_qk_heads, self.num_kv_heads], dim=1)
-        if self.qk_norm:   # Gemma 3: q_norm on the query heads, k_norm on the key heads, in one call
-            weight = torch.cat((self.q_norm.weight.expand(self.num_heads, self.head_dim),
-                                self.k_norm.weight.expand(self.num_kv_heads, self.head_dim)))
-            qk = gemma_rms_norm(qk, weight, self.q_norm.eps)
-        out = rope_paged_attention(qk, value, cos, sin, kv_cache, meta, self.num_heads, self.scale,
-                                   self.sliding_window, softcap=self.softcap)   # [T, H_q, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+    def norm_heads(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(qk, weight, self.q_norm.eps)
 
 
 class GemmaMLP(nn.Module):

@@ -144,10 +144,16 @@ class Attention(nn.Module):
         if self.qk_norm:  # Qwen3: per-head RMSNorm, q_norm on query heads, k_norm on key heads, in one call
             weight = torch.cat((self.q_norm.weight.expand(self.num_heads, self.head_dim),
                                 self.k_norm.weight.expand(self.num_kv_heads, self.head_dim)))
-            qk = rms_norm(qk, weight, self.q_norm.eps_tensor, self.q_norm.inv_size)
+            qk = self.norm_heads(qk, weight)
         out = rope_paged_attention(qk, value, cos, sin, kv_cache, meta, self.num_heads, self.scale,
-                                   self.sliding_window, sinks=self.sinks)   # [T, H_q, D]
+                                   self.sliding_window, softcap=self.softcap, sinks=self.sinks)   # [T, H_q, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    softcap: float | None = None   # score soft-capping (Gemma 2's attention)
+
+    def norm_heads(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The q/k heads [T, H_q + H_kv, D] normed, weight [H_q + H_kv, D] (q_norm's rows, then k_norm's)."""
+        return rms_norm(qk, weight, self.q_norm.eps_tensor, self.q_norm.inv_size)
 
 
 class MLP(nn.Module):
