@@ -36,7 +36,7 @@ class SpeculativeConfig:
     adaptive: bool = True             # the goodput policy picks k per request and step; False: always gamma
     draft_p_min: float | None = None  # confidence stop: a fixed bar; None: the policy sets it
     draft_temperature: float | None = None  # None: each request's own temperature
-    tree_nodes: int = 0               # n-gram, suffix and draft-model drafts as trees of up to this many nodes
+    tree_nodes: int = 0               # n-gram, suffix, draft-model and EAGLE drafts as trees of up to this many nodes
                                       # (several continuations verified in one pass); 0: chains
     ngram_max: int = 4
     ngram_min: int = 1

@@ -40,7 +40,7 @@ Counting rules (so nothing is counted twice):
   ``proposer`` they equal the unsplit counters. ``proposer="grammar"`` counts the tokens a
   request's grammar forced, drafted for free (structured outputs).
 - ``spec_decode_num_tree_drafts_total`` counts decode passes whose drafts were a tree (several
-  continuations verified at once: n-gram, suffix and draft-model drafts with
+  continuations verified at once: n-gram, suffix, draft-model and EAGLE drafts with
   ``speculative.tree_nodes``); their
   nodes count in ``num_draft_tokens``, their accepted path in ``num_accepted_tokens``.
 

@@ -80,6 +80,43 @@ def test_greedy_eagle_is_lossless(paths, prompts, plain_greedy, gamma):
         == plain_greedy
 
 
+@pytest.mark.parametrize("head", ["head", "copy_head"])
+def test_greedy_eagle_trees_are_lossless(paths, prompts, head):
+    """EAGLE trees (tree_nodes): grown from the head's top tokens, each node fed the head's output at
+    its parent; plain decoding's tokens, with a random head (little accepted) and a head that copies
+    its target (chains accepted whole), under KV pressure that preempts."""
+    target = paths["target"] if head == "head" else paths["target1"]
+    plain = run(EngineConfig(model=target, dtype="float32"), prompts)[0]
+    config = EngineConfig(model=target, dtype="float32", block_size=4, num_kv_blocks=48,
+                          speculative=eagle(paths, 4, head=paths[head], tree_nodes=8))
+    engine = Engine(config)
+    trees = []
+    outputs = run_requests(engine, prompts, GREEDY, lambda e: trees.append(e.last_stats.num_tree_drafts))[0]
+    assert outputs == plain and sum(trees) > 0
+
+
+def test_an_eagle_trees_chain_is_the_chain_the_head_drafts(paths, prompts):
+    """Each node's feature is the head's output at its parent: the tree's chain (the head's top token
+    after its top token) is token for token what the head drafts as a chain, where every step
+    feeds the previous step's output. A root feature reused down the tree would part from it."""
+    config = EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, 4, tree_nodes=8))
+    engine = Engine(config)
+    proposer = engine.proposer.proposers["eagle"]
+    grow, compared = proposer._propose_trees, []
+
+    def checking(items):
+        chains = proposer._propose_chains(items).draft_token_ids
+        grown = grow(items)
+        for chain, tokens, tree in zip(chains, grown.draft_token_ids, grown.trees or [None] * len(items)):
+            length = len(tokens) if tree is None else tree.chain
+            compared.append(length)
+            assert tokens[:length] == chain[:length] and length == len(chain)
+        return grown
+    proposer._propose_trees = checking
+    run(config, prompts, engine=engine)
+    assert len(compared) > 10 and max(compared) >= 3
+
+
 def test_greedy_eagle_with_partial_acceptance_preemption_and_chunked_prefill(paths, prompts, plain_greedy):
     """Few KV blocks (preemption), a small token budget (prefill chunks), accepted runs that end at
     every depth: the output is still the plain greedy output."""
@@ -406,3 +443,12 @@ def test_fused_feature_layers_must_be_layers_below_the_last(fused, tmp_path):
         head = make_eagle_head(fused["target"], tmp_path / f"bad{len(layers)}{layers[0]}", feature_layers=layers)
         with pytest.raises(ValueError, match="feature layers must be distinct decoder layers"):
             Engine(EngineConfig(model=fused["target"], dtype="float32", speculative=eagle({"head": str(head)})))
+
+
+def test_a_fused_feature_head_drafts_lossless_trees(fused, prompts):
+    """An EAGLE-3-style head (fused target features at the root, its own outputs below) grows trees too."""
+    plain = run(EngineConfig(model=fused["target"], dtype="float32"), prompts)[0]
+    engine = Engine(EngineConfig(model=fused["target"], dtype="float32", speculative=eagle(fused, 4, tree_nodes=8)))
+    trees = []
+    assert run_requests(engine, prompts, GREEDY, lambda e: trees.append(e.last_stats.num_tree_drafts))[0] == plain
+    assert sum(trees) > 0

@@ -1,5 +1,6 @@
 """EAGLE-style self-drafting: a one-layer head (engine/models/eagle.py) drafts from the target's
-own features, a chain of up to k tokens per request, batched over its requests.
+own features, a chain of up to k tokens per request (or a tree, EAGLE-2's dynamic tree: see
+below), batched over its requests.
 
 The head's input at position p is (the target's feature at p, the token at p + 1). The target
 runner keeps every computed position's feature in a paged buffer (ModelRunner.keep_features), so
@@ -9,6 +10,11 @@ target's block tables, like a draft model's; its cursor counts the positions fed
 target's features. Drafting runs the chain on the head's own outputs in place of the target's
 features, and those positions are fed again with the real ones once the target has computed them,
 so the cursor never moves past the target's computed tokens.
+
+Trees grow as a draft model's do (tree_growth.py: the head's own chain first, then the paying
+alternatives from its top tokens, a depth per forward); what EAGLE adds is each node's feature:
+the head's output at the node's parent (at the root, the catch-up's output), so every path of the
+tree is drafted exactly as a chain along it would be.
 
 Everything else (sampling, the confidence stop, seeded noise, cost reports) is the draft model's
 loop: EagleProposer is a DraftModelProposer whose forwards take features.
@@ -21,6 +27,7 @@ from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.spec_decode.base import DraftJob
 from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.tree_growth import TreeGrowth
 
 
 class EagleProposer(DraftModelProposer):
@@ -31,10 +38,7 @@ class EagleProposer(DraftModelProposer):
         super().__init__(head, target_vocab_size, draft_temperature)
         self.target = target
         self._chain: dict[str, torch.Tensor] = {}   # during a proposal: each request's newest head output [H]
-
-    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
-        """Chains only: a tree's nodes would each need the head's output at their parent as a feature."""
-        return limit
+        self._node_outputs: dict[str, dict[int, torch.Tensor]] = {}   # ... and its tree's, by node (-1: root)
 
     def catch_up_tokens(self, request: Request) -> int:
         # The first forward always feeds the newest computed position; past that, each position the
@@ -53,6 +57,7 @@ class EagleProposer(DraftModelProposer):
             spans.append((request.block_table, start, computed))
             self._set_cursor(request, computed)
         logits, hidden = self.runner.forward(forward, self.target.read_features(spans), return_hidden=True)
+        self._node_outputs = {}
         self._remember(items, hidden)
         return logits
 
@@ -67,6 +72,26 @@ class EagleProposer(DraftModelProposer):
         features = torch.stack([self._chain[item.request.request_id] for item in items])
         logits, hidden = self.runner.forward(forward, features, return_hidden=True)
         self._remember(items, hidden)
+        return logits
+
+    def _feed_tree(self, items: list[DraftJob], growths: list[TreeGrowth]) -> torch.Tensor:
+        """Feed each job's frontier, each node paired with the head's output at its parent, at the slots
+        from the request's newest computed position (the head's input at p is the feature at p and the
+        token at p + 1), each node seeing the context and its ancestors; logits for their children.
+        The cursor stays: these positions hold guesses."""
+        forward, features = [], []
+        for item, growth in zip(items, growths):
+            request, frontier = item.request, growth.frontier
+            outputs = self._node_outputs.setdefault(request.request_id, {-1: self._chain[request.request_id]})
+            tokens = [growth.tree.tokens[n] for n in frontier]
+            forward.append(ForwardItem(tokens, request.num_computed_tokens + frontier[0], request.block_table,
+                                       len(frontier), growth.feed_mask()))
+            features.extend(outputs[growth.tree.parents[n]] for n in frontier)
+        logits, hidden = self.runner.forward(forward, torch.stack(features), return_hidden=True)
+        rows = iter(hidden)
+        for item, growth in zip(items, growths):
+            outputs = self._node_outputs[item.request.request_id]
+            outputs.update((n, next(rows)) for n in growth.frontier)
         return logits
 
     def _remember(self, items: list[DraftJob], hidden: torch.Tensor) -> None:
