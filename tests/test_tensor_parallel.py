@@ -23,6 +23,11 @@ CASES = {
                                  mlp_bias=True),
     "qwen3_one_kv_head": dict(arch="qwen3", num_kv_heads=1, head_dim=32, attention_bias=True),  # replicated
     "mistral_window": dict(arch="mistral", sliding_window=8),
+    # Gemma: soft-capping, (1 + w) norms, local and global layers; Gemma 3's q/k norms over a replicated KV head
+    "gemma2": dict(arch="gemma2", num_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=4.0),
+    "gemma3_one_kv_head": dict(arch="gemma3", num_kv_heads=1, layer_types=["sliding_attention", "full_attention"],
+                               sliding_window=4, query_pre_attn_scalar=16),
 }
 
 
@@ -154,9 +159,9 @@ def test_engine_greedy_tp2_equals_tp1(engine_target, plain_greedy, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama", "mistral_window"])
-def test_engine_greedy_tp2_equals_tp1_on_llama_and_mistral(case, checkpoints, tmp_path):
-    """The same on Llama (KV heads split) and Mistral (a window shorter than the longest prompt)."""
+@pytest.mark.parametrize("case", ["llama", "mistral_window", "gemma3_one_kv_head"])
+def test_engine_greedy_tp2_equals_tp1_on_other_families(case, checkpoints, tmp_path):
+    """The same on Llama (KV heads split), Mistral and Gemma 3 (windows shorter than the longest prompt)."""
     assert greedy_spawned(checkpoints[case], tmp_path / "out.pt", tensor_parallel_size=2) == greedy(checkpoints[case])
 
 

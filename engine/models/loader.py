@@ -205,7 +205,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks:
         if not isinstance(checkpoint, SafetensorsCheckpoint) or gguf_blocks or requantize or output_tokens is not None:
             raise ValueError("tensor parallelism loads safetensors checkpoints, unquantized, whole vocabulary")
         with torch.device("meta"):
-            model = build_sharded(config, tensor_parallel)
+            model = build_sharded(config, tensor_parallel, model_cls)
         load_weights(model, checkpoint, dtype, device, shard=shard_plan)
         model.init_buffers(device, dtype)
         return model.eval()

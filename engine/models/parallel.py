@@ -1,4 +1,4 @@
-"""Tensor parallelism for the dense Llama family (Llama, Mistral, Qwen2, Qwen3) over torch.distributed.
+"""Tensor parallelism for dense models (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3) over torch.distributed.
 
 Each of the N ranks of a process group holds a shard of every layer (Megatron's split):
     q/k/v, gate/up   column-parallel: each rank computes its heads / its part of the intermediate
@@ -27,9 +27,10 @@ from torch import nn
 
 from engine.models.llama import CausalLM
 
-# The dense members; Phi-3's checkpoints store q/k/v and gate/up fused, and mixtures of experts are
-# not sharded yet.
-DENSE_LLAMA = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# The dense families whose checkpoints hold q/k/v and gate/up apart (Phi-3's are fused: a rank would
+# read three slices of one tensor); mixtures of experts are not sharded yet.
+SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class TensorParallel:
 def check_shardable(config, world_size: int) -> None:
     """ValueError unless this config's model splits over world_size ranks."""
     architecture = (getattr(config, "architectures", None) or [None])[0]
-    if architecture not in DENSE_LLAMA:
-        raise ValueError(f"tensor parallelism supports {', '.join(DENSE_LLAMA)}; got {architecture}")
+    if architecture not in SHARDABLE:
+        raise ValueError(f"tensor parallelism supports {', '.join(SHARDABLE)}; got {architecture}")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
         raise ValueError(f"tensor_parallel_size {world_size} must divide the {heads} attention heads")
@@ -66,10 +67,10 @@ def local_config(config, world_size: int):
     return local
 
 
-def build_sharded(config, tp: TensorParallel) -> CausalLM:
-    """One rank's shard of a Llama-family model (built on the current default device, e.g. meta)."""
+def build_sharded(config, tp: TensorParallel, model_cls: type[CausalLM] = CausalLM) -> CausalLM:
+    """One rank's shard of a model of class model_cls (built on the current default device, e.g. meta)."""
     check_shardable(config, tp.world_size)
-    model = CausalLM(local_config(config, tp.world_size))
+    model = model_cls(local_config(config, tp.world_size))
     model.config, model.vocab_size = config, config.vocab_size   # the runner's logits cover the whole vocabulary
     hidden = config.hidden_size
     for layer in model.model.layers:
