@@ -28,6 +28,9 @@ CASES = {
                    sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=4.0),
     "gemma3_one_kv_head": dict(arch="gemma3", num_kv_heads=1, layer_types=["sliding_attention", "full_attention"],
                                sliding_window=4, query_pre_attn_scalar=16),
+    # mixtures of experts (8 experts, top-2): each expert's intermediate split; Qwen3-MoE's layer 1 dense
+    "qwen3_moe": dict(arch="qwen3_moe", num_layers=3, mlp_only_layers=[1], norm_topk_prob=True, initializer_range=0.1),
+    "mixtral": dict(arch="mixtral", initializer_range=0.1),
 }
 
 
@@ -113,6 +116,13 @@ def test_unshardable_configs_are_refused(tmp_path):
     phi = make_tiny_checkpoint(tmp_path / "phi", arch="phi3")
     with pytest.raises(ValueError, match="tensor parallelism supports"):
         load_model(str(phi), torch.float32, CPU, tensor_parallel=TensorParallel(0, 2))
+    # an MoE checkpoint whose experts are fused 3-D tensors: a rank would read slices of every expert at once
+    from test_models import copy_checkpoint
+    from test_moe import fuse_experts
+    moe = make_tiny_checkpoint(tmp_path / "moe", arch="qwen3_moe", num_layers=2)
+    fused = copy_checkpoint(moe, tmp_path / "fused", lambda t: fuse_experts(t, 2, "mlp"))
+    with pytest.raises(ValueError, match="per-expert"):
+        load_model(str(fused), torch.float32, CPU, tensor_parallel=TensorParallel(0, 2))
 
 
 # ---- the engine over a TP=2 group: rank 0 runs the Engine, its worker is a subprocess ------------
@@ -159,9 +169,10 @@ def test_engine_greedy_tp2_equals_tp1(engine_target, plain_greedy, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama", "mistral_window", "gemma3_one_kv_head"])
+@pytest.mark.parametrize("case", ["llama", "mistral_window", "gemma3_one_kv_head", "qwen3_moe"])
 def test_engine_greedy_tp2_equals_tp1_on_other_families(case, checkpoints, tmp_path):
-    """The same on Llama (KV heads split), Mistral and Gemma 3 (windows shorter than the longest prompt)."""
+    """The same on Llama (KV heads split), Mistral and Gemma 3 (windows shorter than the longest prompt) and
+    Qwen3-MoE (experts split)."""
     assert greedy_spawned(checkpoints[case], tmp_path / "out.pt", tensor_parallel_size=2) == greedy(checkpoints[case])
 
 

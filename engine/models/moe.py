@@ -188,10 +188,14 @@ class SparseMoeBlock(nn.Module):
         self.family = family
         self.gate = nn.Linear(hidden, num_experts, bias=False)   # the router
         self.experts = Experts(num_experts, hidden, intermediate)
+        # Under tensor parallelism each rank's experts hold a slice of their intermediate: the sum of
+        # the ranks' partial outputs (parallel.build_sharded sets it); None: the output is whole.
+        self.reduce = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.fp32_weights)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        return out if self.reduce is None else self.reduce(out)
 
     def checkpoint_plan(self, prefix: str, names) -> dict[str, tuple[str, int | None, int | None]]:
         """For the strict loader: checkpoint tensor -> (our parameter, row offset, rows), the rows counted

@@ -27,10 +27,11 @@ from torch import nn
 
 from engine.models.llama import CausalLM
 
-# The dense families whose checkpoints hold q/k/v and gate/up apart (Phi-3's are fused: a rank would
-# read three slices of one tensor); mixtures of experts are not sharded yet.
+# The families whose checkpoints hold q/k/v and gate/up apart (Phi-3's are fused: a rank would read
+# three slices of one tensor). Mixtures of experts shard each expert's intermediate like a dense MLP's
+# (from per-expert checkpoint tensors); gpt-oss's interleaved experts are not sharded yet.
 SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+             "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,10 @@ def check_shardable(config, world_size: int) -> None:
         raise ValueError(f"tensor_parallel_size {world_size} must divide the {heads} attention heads")
     if kv_heads % world_size and world_size % kv_heads:
         raise ValueError(f"tensor_parallel_size {world_size} and the {kv_heads} KV heads must divide one another")
-    if config.intermediate_size % world_size:
-        raise ValueError(f"tensor_parallel_size {world_size} must divide intermediate_size {config.intermediate_size}")
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        size = getattr(config, key, None)
+        if size is not None and size % world_size:
+            raise ValueError(f"tensor_parallel_size {world_size} must divide {key} {size}")
 
 
 def local_config(config, world_size: int):
@@ -63,6 +66,8 @@ def local_config(config, world_size: int):
     local.num_attention_heads = config.num_attention_heads // world_size
     local.num_key_value_heads = max(1, config.num_key_value_heads // world_size)
     local.intermediate_size = config.intermediate_size // world_size
+    if getattr(config, "moe_intermediate_size", None) is not None:   # Qwen3-MoE's experts
+        local.moe_intermediate_size = config.moe_intermediate_size // world_size
     local.vocab_size = -(-config.vocab_size // world_size)
     return local
 
@@ -76,13 +81,21 @@ def build_sharded(config, tp: TensorParallel, model_cls: type[CausalLM] = Causal
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         attention.o_proj = RowParallelLinear(attention.q_size, hidden, attention.o_proj.bias is not None, tp)
-        mlp.down_proj = RowParallelLinear(mlp.intermediate, hidden, mlp.down_proj.bias is not None, tp)
+        if hasattr(mlp, "experts"):   # each expert's down projection is row-parallel: one all-reduce a block
+            mlp.reduce = lambda out, tp=tp: _all_reduced(out, tp)
+        else:
+            mlp.down_proj = RowParallelLinear(mlp.intermediate, hidden, mlp.down_proj.bias is not None, tp)
     rows = model.model.embed_tokens.num_embeddings
     model.model.embed_tokens = VocabParallelEmbedding(rows, hidden, tp)
     model.lm_head = ParallelLMHead(hidden, rows, config.vocab_size, tp)
     model.tie_weights()
     model.tensor_parallel = tp
     return model
+
+
+def _all_reduced(out: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    dist.all_reduce(out, group=tp.group)
+    return out
 
 
 class RowParallelLinear(nn.Linear):
@@ -136,9 +149,11 @@ def _global_rank(tp: TensorParallel, group_rank: int) -> int:
     return group_rank if tp.group is None else dist.get_global_rank(tp.group, group_rank)
 
 
-# Checkpoint sibling -> the dimension each rank takes its slice of (0: output rows, 1: input columns).
-_ROW_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
-_COLUMN_SHARDED = ("o_proj.weight", "down_proj.weight")
+# Checkpoint sibling -> the dimension each rank takes its slice of (0: output rows, 1: input columns);
+# w1 / w3 / w2 are Mixtral's experts' gate / up / down.
+_ROW_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "embed_tokens", "lm_head")
+_COLUMN_SHARDED = ("o_proj.weight", "down_proj.weight", "w2.weight")
+_FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")   # both projections of all experts in one tensor
 
 
 def shard_plan(model: CausalLM, plan: dict) -> tuple[dict, dict]:
@@ -151,8 +166,11 @@ def shard_plan(model: CausalLM, plan: dict) -> tuple[dict, dict]:
     plan, slices = dict(plan), {}
     for key, (name, offset, rows) in plan.items():
         parts = key.split(".")
+        if key.endswith(_FUSED_EXPERTS):
+            raise ValueError(f"tensor parallelism reads an MoE checkpoint's per-expert tensors; {key!r} holds "
+                             "every expert at once")
         if key.endswith(_COLUMN_SHARDED):
-            width = model.get_parameter(name).shape[1]
+            width = model.get_parameter(name).shape[-1]   # [out, in], or an expert tensor's [E, out, in]
             slices[key] = (1, tp.rank * width, width)
         elif parts[-2] in ("k_proj", "v_proj"):
             slices[key] = (0, first_kv_head * head_dim, local_kv * head_dim)
