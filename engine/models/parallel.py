@@ -1,8 +1,10 @@
-"""Tensor parallelism for dense models (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3) over torch.distributed.
+"""Tensor parallelism over torch.distributed (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Qwen3-MoE, Mixtral).
 
 Each of the N ranks of a process group holds a shard of every layer (Megatron's split):
     q/k/v, gate/up   column-parallel: each rank computes its heads / its part of the intermediate
     o_proj, down     row-parallel: each rank's partial product, summed by one all-reduce
+    experts          each expert's gate/up and down split like a dense MLP's, the router replicated:
+                     one all-reduce of the block's output (SparseMoeBlock.reduce)
     embed_tokens     vocabulary-parallel: each rank embeds the ids in its rows, the sum is the embedding
     lm_head          vocabulary-parallel: each rank's logits over its rows, gathered on rank 0
 Query heads split evenly; KV heads too, or, with fewer KV heads than ranks, each KV head is
