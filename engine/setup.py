@@ -342,8 +342,7 @@ def _calibrate(costs: StepCosts, target: ModelRunner, models: list, pool: BlockP
     # Distinct random tokens for every request and draft position: a mixture of experts routes each
     # token on its own, and a pass of one repeated token reads a few experts where real drafts read many.
     rng = random.Random(0)
-    vocab = min([target.model.vocab_size] + [p.runner.model.vocab_size for p in models
-                                             if hasattr(getattr(p, "runner", None), "model")])   # a draft's may be smaller
+    vocab = min([target.model.vocab_size] + [p.runner.model.vocab_size for p in models])   # a draft's may be smaller
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]

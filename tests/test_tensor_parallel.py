@@ -2,7 +2,6 @@
 TP=1 does, for prefill and decode passes of a ragged flat batch."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 
 from engine.models import load_model
 from engine.models.parallel import TensorParallel
+from conftest import free_port
 from helpers import make_tiny_checkpoint
 from test_models import BLOCK_TABLES, new_kv_caches, random_tokens, run_pass
 
@@ -32,12 +32,6 @@ CASES = {
     "qwen3_moe": dict(arch="qwen3_moe", num_layers=3, mlp_only_layers=[1], norm_topk_prob=True, initializer_range=0.1),
     "mixtral": dict(arch="mixtral", initializer_range=0.1),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_group(fn, world_size: int, *args) -> None:
