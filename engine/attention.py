@@ -54,13 +54,13 @@ def flash_available(device: torch.device) -> bool:
 def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeMetadata, scale: float,
                       window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """query [B * Q, H_q, D] -> [B * Q, H_q, D] over the grid: flash_attn_with_kvcache reads the pages
-    in place (not with sinks, which it lacks); the torch path gathers every sequence's max_blocks pages
-    and masks (the reference)."""
+    in place (not with sinks or draft trees, which it lacks); the torch path gathers every sequence's
+    max_blocks pages and masks (the reference)."""
     num_seqs, q_len = meta.num_seqs, meta.query_len
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
     grid = query.view(num_seqs, q_len, num_heads, head_dim)
-    if meta.use_flash and sinks is None:
+    if meta.use_flash and sinks is None and meta.tree_bits is None:
         out = flash_attn_with_kvcache(
             grid, kv_cache[0], kv_cache[1], cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
             softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),

@@ -19,7 +19,7 @@ DecodeMetadata is the fixed-grid form of decode-shaped passes (engine/decode_gri
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -181,17 +181,15 @@ class AttentionMetadata:
         sees (the fed tokens are the last q_len of them); every fed token sees the whole context before
         the tree. kernel (as for build): a decode-shaped pass goes to the attention kernel with each
         row's visible tree positions as bits; otherwise the padded torch path with one mask (no
-        flash-attn, no window)."""
-        if sliding_window is not None and max(seq_lens) > sliding_window:
-            raise ValueError("tree verification does not support sliding-window attention yet")
+        flash-attn), and for sliding-window layers a second one (`windowed`)."""
+        if not tree_window_ok(sliding_window):
+            raise ValueError(f"draft trees need full attention or a sliding window over {MAX_TREE_COLS} positions, "
+                             f"not {sliding_window}")
         for b, (tree, q_len, s_len) in enumerate(zip(tree_masks, query_lens, seq_lens)):
-            if tree is not None and not (tree.ndim == 2 and tree.shape[0] == q_len <= tree.shape[1] <= min(s_len, 64)
-                                         and tree[:, -q_len:].diagonal().all()):
-                raise ValueError(f"tree mask {b}: [{q_len}, cols] with {q_len} <= cols <= 64 in which each fed "
-                                 "token sees itself")
+            check_tree_mask(tree, q_len, s_len, b)
         if kernel and TORCH_ATTENTION == "auto" and max(query_lens) <= SEQUENCE_MAX_QUERY:
             meta = cls._build(query_lens, seq_lens, block_tables, block_size, device, False, None, "kernel")
-            meta.tree_bits = torch.from_numpy(np.concatenate([_tree_bits(tree, q_len) for tree, q_len
+            meta.tree_bits = torch.from_numpy(np.concatenate([row_tree_bits(tree, q_len) for tree, q_len
                                                               in zip(tree_masks, query_lens)])).to(device)
             meta.tree_cols = torch.tensor([q_len if tree is None else tree.shape[1] for tree, q_len
                                            in zip(tree_masks, query_lens)], dtype=torch.int32, device=device)
@@ -200,7 +198,21 @@ class AttentionMetadata:
         for b, (tree, q_len, s_len) in enumerate(zip(tree_masks, query_lens, seq_lens)):
             if tree is not None:
                 meta.attn_mask[b, 0, :q_len, s_len - tree.shape[1]:s_len] = torch.from_numpy(tree).to(device)
+        if sliding_window is not None and max(seq_lens) > sliding_window:
+            meta.windowed = meta._tree_windowed(query_lens, seq_lens, tree_masks, sliding_window)
         return meta
+
+    def _tree_windowed(self, query_lens, seq_lens, tree_masks, window: int) -> "AttentionMetadata":
+        """This tree pass (padded path) for sliding-window layers: each row also loses the context keys
+        `window` or more positions before its own (its depth's position, not its slot's)."""
+        positions = np.zeros((self.num_seqs, self.max_query_len), dtype=np.int64)   # padding rows: 0, key 0 kept
+        for b, (tree, q_len, s_len) in enumerate(zip(tree_masks, query_lens, seq_lens)):
+            positions[b, :q_len] = np.arange(s_len - q_len, s_len) if tree is None else \
+                s_len - tree.shape[1] + tree.sum(axis=1) - 1
+        keys = torch.arange(self.attn_mask.shape[-1], device=self.attn_mask.device)
+        in_window = keys > torch.from_numpy(positions - window).to(keys.device)[:, None, :, None]
+        return replace(self, attn_mask=self.attn_mask & in_window, sliding_window=window, windowed=None,
+                       _torch_variants={})
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -324,6 +336,11 @@ class DecodeMetadata:
     block_ids: torch.Tensor      # [B * max_blocks] int64: the same, flat, for the torch path's gather
     query_len: int
     use_flash: bool
+    # A pass with draft trees (the torch path, never flash-attn): each grid row's position, its visible
+    # tree positions as bits (row_tree_bits; padding rows 0) and each sequence's tree positions (its last).
+    positions: torch.Tensor | None = None   # [B * Q] int64
+    tree_bits: torch.Tensor | None = None   # [B * Q] int64
+    tree_cols: torch.Tensor | None = None   # [B] int32
     _masks: dict = field(default_factory=dict)   # torch path: sliding window -> [B, 1, Q, keys] bool
 
     @property
@@ -331,22 +348,57 @@ class DecodeMetadata:
         return self.seq_lens.shape[0]
 
     def mask(self, num_keys: int, window: int | None) -> torch.Tensor:
-        """[B, 1, Q, num_keys] bool, True = attend, computed on the device from seq_lens (the first layer
-        that asks builds it; a replayed graph rebuilds it with the pass's lengths)."""
+        """[B, 1, Q, num_keys] bool, True = attend, computed on the device from seq_lens (and a tree
+        pass's bits; the first layer that asks builds it, a replayed graph rebuilds it with the pass's
+        lengths)."""
         if window not in self._masks:
             device = self.seq_lens.device
             keys = torch.arange(num_keys, device=device)
-            query_pos = (self.seq_lens.long()[:, None] - self.query_len
-                         + torch.arange(self.query_len, device=device))[:, :, None]   # [B, Q, 1]
-            visible = keys <= query_pos
+            if self.tree_bits is None:
+                query_pos = (self.seq_lens.long()[:, None] - self.query_len
+                             + torch.arange(self.query_len, device=device))[:, :, None]   # [B, Q, 1]
+                visible = keys <= query_pos
+                padding = query_pos < 0
+            else:
+                visible, query_pos, padding = self._tree_visible(keys)
             if window is not None:
                 visible &= keys > query_pos - window
-            visible |= (query_pos < 0) & (keys == 0)   # padding rows before a short sequence: key 0, no NaN
+            visible |= padding & (keys == 0)   # padding rows: key 0, no NaN
             self._masks[window] = visible[:, None]
         return self._masks[window]
 
+    def _tree_visible(self, keys: torch.Tensor):
+        """A tree pass's [B, Q, keys] visibility (the context before the tree, then the tree positions
+        whose bits are set), each row's position [B, Q, 1] and its padding rows [B, Q, 1]. A window
+        cuts context keys only: a tree spans at most 64 positions, and trees run only under windows
+        wider than that (tree_window_ok)."""
+        bits = self.tree_bits.view(self.num_seqs, self.query_len, 1)
+        tree_start = (self.seq_lens - self.tree_cols).long()[:, None, None]   # [B, 1, 1]
+        offset = keys - tree_start
+        in_tree = (offset >= 0) & (keys < self.seq_lens.long()[:, None, None])
+        sees = torch.bitwise_right_shift(bits, offset.clamp(0, 63)) & 1 == 1
+        query_pos = self.positions.view(self.num_seqs, self.query_len, 1)
+        return (offset < 0) | (in_tree & sees), query_pos, bits == 0
 
-def _tree_bits(tree: np.ndarray | None, q_len: int) -> np.ndarray:
+
+# A tree's positions fit one int64 of bits (the kernel's and the decode grid's encoding).
+MAX_TREE_COLS = 64
+
+
+def tree_window_ok(sliding_window: int | None) -> bool:
+    """Draft trees under this sliding window: none, or one wider than any tree, so that a window never
+    cuts a node's ancestors (only the context before the tree)."""
+    return sliding_window is None or sliding_window > MAX_TREE_COLS
+
+
+def check_tree_mask(tree: np.ndarray | None, q_len: int, s_len: int, b: int) -> None:
+    if tree is not None and not (tree.ndim == 2 and tree.shape[0] == q_len <= tree.shape[1] <= min(s_len, MAX_TREE_COLS)
+                                 and tree[:, -q_len:].diagonal().all()):
+        raise ValueError(f"tree mask {b}: [{q_len}, cols] with {q_len} <= cols <= {MAX_TREE_COLS} in which each "
+                         "fed token sees itself")
+
+
+def row_tree_bits(tree: np.ndarray | None, q_len: int) -> np.ndarray:
     """int64 [q_len]: bit j of row i set where fed token i sees tree position j (causal rows without a
     tree: their fed tokens are the tree positions)."""
     if tree is None:

@@ -15,8 +15,13 @@ draft model's catch-up) is laid out as a grid in persistent buffers:
     key blocks   the block table padded to a power of two of blocks (flash-attn reads only up to each
                  sequence's length; the torch path gathers them all, so fewer is cheaper).
 
-One graph per (sequences, query rows, key blocks) bucket is captured the first time a pass needs it,
-all in one memory pool. Without capture (`capture=False`) the same grid runs eagerly: that is how the
+A pass that verifies a draft tree fills two more buffers, each row's visible tree positions as bits
+and each sequence's number of tree positions (the encoding of the CPU attention kernel), and its
+attention builds its mask from them on the device (flash-attn takes no such mask: tree passes take
+the torch path's SDPA over the grid, chain passes keep flash-attn).
+
+One graph per (sequences, query rows, key blocks, tree or not) bucket is captured the first time a
+pass needs it, all in one memory pool. Without capture (`capture=False`) the same grid runs eagerly: that is how the
 CPU tests cover the bookkeeping, and how flash-attn's `flash_attn_with_kvcache` serves decode rows
 when graphs are off (exact sizes, no buckets).
 """
@@ -29,6 +34,7 @@ import numpy as np
 import torch
 
 from engine.attention import DecodeMetadata
+from engine.attention_metadata import check_tree_mask, row_tree_bits
 
 # Seconds this process has spent capturing graphs (see work_clock).
 _capture_seconds = 0.0
@@ -87,7 +93,9 @@ class DecodeGrid:
         self.seq_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_seqs * max_blocks, dtype=torch.int32, device=device)
         self.block_ids = torch.zeros(max_seqs * max_blocks, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.tree_bits = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tree_cols = torch.ones(max_seqs, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def fits(self, items) -> bool:
@@ -112,15 +120,15 @@ class DecodeGrid:
     def run(self, items) -> tuple[torch.Tensor, torch.Tensor]:
         """The final hidden states of every fed token, in item order, and their cache slots; their
         features (the model's `features`, for EAGLE heads) are in self.last_features."""
-        shape = self.shape(items)
-        rows = self._fill(items, *shape)
+        key = (*self.shape(items), any(item.tree_mask is not None for item in items))
+        rows = self._fill(items, *key)
         if not self.capture:
-            hidden = self.model(*self._inputs(*shape))
+            hidden = self.model(*self._inputs(*key))
             features = self._features(hidden)
         else:
-            if shape not in self.graphs:
-                self.graphs[shape] = self._timed_record(shape)
-            graph, hidden, features = self.graphs[shape]
+            if key not in self.graphs:
+                self.graphs[key] = self._timed_record(key)
+            graph, hidden, features = self.graphs[key]
             graph.replay()
         out = hidden[rows]
         self.last_features = out if features is hidden else None if features is None else features[rows]
@@ -130,7 +138,7 @@ class DecodeGrid:
         features = getattr(self.model, "features", None)
         return None if features is None else features(hidden)
 
-    def _fill(self, items, num_seqs: int, q_len: int, num_blocks: int) -> torch.Tensor:
+    def _fill(self, items, num_seqs: int, q_len: int, num_blocks: int, tree: bool) -> torch.Tensor:
         """Write the pass into the persistent buffers; returns the grid rows of the real tokens."""
         scratch_slot = self.scratch_block * self.block_size
         ids = np.zeros((num_seqs, q_len), dtype=np.int64)
@@ -138,15 +146,21 @@ class DecodeGrid:
         slots = np.full((num_seqs, q_len), scratch_slot, dtype=np.int64)
         seq_lens = np.ones(num_seqs, dtype=np.int32)
         tables = np.full((num_seqs, num_blocks), self.scratch_block, dtype=np.int64)
+        bits = np.zeros((num_seqs, q_len), dtype=np.int64)   # trees: padding rows see no tree position
+        cols = np.ones(num_seqs, dtype=np.int32)
         rows = []
         for b, item in enumerate(items):
             n, table = len(item.token_ids), np.asarray(item.block_table, dtype=np.int64)
-            pos = np.arange(item.start_pos, item.start_pos + n)
+            index = np.arange(item.start_pos, item.start_pos + n)   # cache slots: one per fed token, in order
             ids[b, q_len - n:] = item.token_ids
-            positions[b, q_len - n:] = pos
-            slots[b, q_len - n:] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            positions[b, q_len - n:] = item.positions()
+            slots[b, q_len - n:] = table[index // self.block_size] * self.block_size + index % self.block_size
             seq_lens[b] = item.start_pos + n
             tables[b, :len(table)] = table
+            if tree:
+                check_tree_mask(item.tree_mask, n, item.start_pos + n, b)
+                bits[b, q_len - n:] = row_tree_bits(item.tree_mask, n)
+                cols[b] = n if item.tree_mask is None else item.tree_mask.shape[1]
             rows.append(np.arange(b * q_len + q_len - n, (b + 1) * q_len))
         size, width = num_seqs * q_len, num_seqs * num_blocks
         self.input_ids[:size].copy_(torch.from_numpy(ids.reshape(-1)))
@@ -155,22 +169,28 @@ class DecodeGrid:
         self.seq_lens[:num_seqs].copy_(torch.from_numpy(seq_lens))
         self.block_tables[:width].copy_(torch.from_numpy(tables.reshape(-1)))
         self.block_ids[:width].copy_(self.block_tables[:width])
+        if tree:
+            self.tree_bits[:size].copy_(torch.from_numpy(bits.reshape(-1)))
+            self.tree_cols[:num_seqs].copy_(torch.from_numpy(cols))
         return torch.from_numpy(np.concatenate(rows)).to(self.device)
 
-    def _inputs(self, num_seqs: int, q_len: int, num_blocks: int) -> tuple:
+    def _inputs(self, num_seqs: int, q_len: int, num_blocks: int, tree: bool) -> tuple:
         """The model's arguments as views of the persistent buffers (a fresh metadata: its masks are per pass)."""
         size, width = num_seqs * q_len, num_seqs * num_blocks
         meta = DecodeMetadata(self.slot_mapping[:size], self.seq_lens[:num_seqs],
                               self.block_tables[:width].view(num_seqs, num_blocks), self.block_ids[:width],
                               q_len, self.use_flash)
+        if tree:
+            meta.positions, meta.tree_bits, meta.tree_cols = \
+                self.positions[:size], self.tree_bits[:size], self.tree_cols[:num_seqs]
         return self.input_ids[:size], self.positions[:size], meta, self.kv_caches
 
-    def _timed_record(self, shape: tuple[int, int, int]):
+    def _timed_record(self, key: tuple[int, int, int, bool]):
         global _capture_seconds
         self._synchronize()   # the passes already queued are not the capture's
         start = time.perf_counter()
         try:
-            return self._record(shape)
+            return self._record(key)
         finally:
             self._synchronize()   # the capture's warm-up passes ran on a side stream
             _capture_seconds += time.perf_counter() - start
@@ -179,7 +199,7 @@ class DecodeGrid:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _record(self, shape: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
+    def _record(self, key: tuple[int, int, int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         """Capture one bucket's pass. The buffers already hold a real pass: the warm-up runs compute it
         (writing the same keys and values the replay will), then the capture records it. The capture
         gets metadata of its own: one that the warm-up had used would hand it the warm-up's cached
@@ -188,9 +208,9 @@ class DecodeGrid:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):   # lazy initialisation (cuBLAS handles, kernel selection) outside the capture
-                self.model(*self._inputs(*shape))
+                self.model(*self._inputs(*key))
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(*self._inputs(*shape))
+            hidden = self.model(*self._inputs(*key))
         return graph, hidden, self._features(hidden)   # the features' tensor, too, is the graph's to refill

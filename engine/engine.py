@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention_metadata import tree_window_ok
 from engine.config import PROPOSERS, EngineConfig
 from engine.decode_grid import work_clock
 from engine.kv_cache import BlockPool
@@ -80,10 +81,11 @@ class Engine:
         self.grammars = GrammarQueue(GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids))
 
     def _tree_nodes(self, config: EngineConfig) -> int:
-        """The most nodes of a request's draft tree (0: chains); trees need full attention."""
-        if self.target.model.sliding_window is not None and config.speculative.tree_nodes:
-            logger.warning("speculative.tree_nodes is ignored: this target's sliding-window attention takes no "
-                           "draft trees yet; drafts stay chains")
+        """The most nodes of a request's draft tree (0: chains); a sliding window must be wider than any tree."""
+        window = self.target.model.sliding_window
+        if not tree_window_ok(window) and config.speculative.tree_nodes:
+            logger.warning("speculative.tree_nodes is ignored: this target's sliding window (%d positions) could "
+                           "cut a draft tree; drafts stay chains", window)
             return 0
         return config.speculative.tree_nodes if config.speculative.gamma else 0
 

@@ -31,6 +31,15 @@ class ForwardItem:
     # its KV slot stays start_pos + its index.
     tree_mask: np.ndarray | None = None
 
+    def positions(self) -> np.ndarray:
+        """Each fed token's position: consecutive, or in a tree the tree's first position plus its
+        depth (the tree positions it sees, less one)."""
+        num_tokens = len(self.token_ids)
+        if self.tree_mask is None:
+            return np.arange(self.start_pos, self.start_pos + num_tokens)
+        tree_start = self.start_pos + num_tokens - self.tree_mask.shape[1]
+        return tree_start + self.tree_mask.sum(axis=1) - 1
+
 
 class ModelRunner:
     """keep_features: also keep every fed token's features (its final hidden state, the model's
@@ -73,13 +82,12 @@ class ModelRunner:
         """Logits [sum(num_logits), vocab] float32, in item order; with return_hidden, also the
         hidden states of those rows. features [T, hidden]: one per fed token, for models that take
         them (EagleHead)."""
-        trees = any(item.tree_mask is not None for item in items)
-        if not trees and features is None and self.decode_grid is not None and self.decode_grid.fits(items):
+        if features is None and self.decode_grid is not None and self.decode_grid.fits(items):
             return self._grid_forward(items, return_hidden)
         query_lens = [len(item.token_ids) for item in items]
         seq_lens = [item.start_pos + n for item, n in zip(items, query_lens)]
         tables = [item.block_table for item in items]
-        if trees:
+        if any(item.tree_mask is not None for item in items):
             meta = AttentionMetadata.build_tree(query_lens, seq_lens, tables, self.block_size, self.device,
                                                 [item.tree_mask for item in items], self.model.sliding_window,
                                                 kernel=self.fused_ops)
@@ -87,8 +95,7 @@ class ModelRunner:
             meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, self.use_flash,
                                            self.model.sliding_window, kernel=self.fused_ops)
         input_ids = torch.tensor(np.concatenate([item.token_ids for item in items]), dtype=torch.long, device=self.device)
-        positions = torch.from_numpy(np.concatenate([_positions(item, n) for item, n in zip(items, query_lens)])
-                                     ).to(self.device)
+        positions = torch.from_numpy(np.concatenate([item.positions() for item in items])).to(self.device)
         extra = {} if features is None else {"features": features}
         hidden = self.model(input_ids, positions, meta, self.kv_caches, **extra)
         if self.features is not None:
@@ -137,13 +144,4 @@ class ModelRunner:
         """The kept features of positions start..end-1 of each (block_table, start, end), concatenated."""
         slots = np.concatenate([self._slots(table, np.arange(start, end)) for table, start, end in spans])
         return self.features[torch.from_numpy(slots).to(self.device)]
-
-
-def _positions(item: ForwardItem, num_tokens: int) -> np.ndarray:
-    """Each fed token's position: consecutive, or in a tree the tree's first position plus its depth
-    (the tree positions it sees, less one)."""
-    if item.tree_mask is None:
-        return np.arange(item.start_pos, item.start_pos + num_tokens)
-    tree_start = item.start_pos + num_tokens - item.tree_mask.shape[1]
-    return tree_start + item.tree_mask.sum(axis=1) - 1
 

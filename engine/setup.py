@@ -266,10 +266,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "suffix" in spec.proposers:
         proposers["suffix"] = SuffixProposer(spec.suffix_max_match, spec.suffix_cache_tokens, spec.suffix_min_prob,
                                              spec.suffix_min_score, spec.suffix_spec_factor)
-    grids = {target: spec.gamma + 1}
+    rows = 1 + max(spec.gamma, spec.tree_nodes)   # a request's largest verification pass (a chain or a tree)
+    grids = {target: rows}
     if "draft" in proposers:
-        grids[proposers["draft"].runner] = spec.gamma + 1   # drafting passes, and catch-ups (after a step
-                                                            # that accepted every draft: two tokens)
+        grids[proposers["draft"].runner] = rows   # drafting passes (a tree's levels), and catch-ups
     _decode_grids(config, device, grids, blocks_per_seq)
     router = Router(proposers, hf_config.vocab_size)
     costs = StepCosts()

@@ -79,6 +79,33 @@ def test_engine_on_decode_grids_decodes_like_plain(tiny_pair):
     assert passes["target"] >= 5 and passes["draft"] >= 5 and sum(o.spec.proposed for o in out) > 0, passes
 
 
+def test_engine_verifies_trees_on_decode_grids_like_plain(tiny_pair):
+    """Draft trees (n-gram and draft model) verified on the grids, as CUDA graphs would replay them:
+    each tree pass fills the grid's tree bits and its attention masks from them; greedy output
+    identical to plain decoding, with tree passes on both runners' grids."""
+    target, draft = tiny_pair
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    stem = [11, 12, 13]
+    prompts = [stem + [1, 2] + stem + [3, 4] + stem + [5, 6] + stem, [7] * 40, list(range(20, 45))]
+    plain = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True).generate(prompts, params)
+    llm = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True,
+              speculative={"method": "auto", "proposers": ["draft", "ngram"], "model": str(draft),
+                           "num_speculative_tokens": 4, "tree_nodes": 8, "adaptive": False})
+    runners = [llm.engine.target, llm.engine.proposer.proposers["draft"].runner]
+    tree_passes = {"target": 0, "draft": 0}
+    for runner, name in zip(runners, tree_passes):
+        runner.enable_decode_grid(max_seqs=8, max_query_len=9, max_blocks=8)
+        run = runner.decode_grid.run
+
+        def counted(items, run=run, name=name):
+            tree_passes[name] += any(item.tree_mask is not None for item in items)
+            return run(items)
+        runner.decode_grid.run = counted
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert tree_passes["target"] >= 3 and tree_passes["draft"] >= 3, tree_passes
+
+
 def test_cuda_graphs_need_a_gpu(tiny_pair):
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
         LLM(str(tiny_pair[0]), dtype="float32", device="cpu", cuda_graphs=True)
@@ -108,5 +135,5 @@ def test_graph_captures_stop_the_work_clock(tmp_path):
     for _ in range(2):
         grid.run(items)
     work, wall = work_clock() - work, time.perf_counter() - wall
-    assert list(grid.graphs) == [(1, 1, 1)]   # recorded once, replayed twice
+    assert list(grid.graphs) == [(1, 1, 1, False)]   # recorded once, replayed twice
     assert 0.1 <= work <= wall - 0.2, (work, wall)

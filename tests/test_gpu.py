@@ -93,6 +93,30 @@ def test_cuda_graphs_decode_like_cpu(tmp_path):
     assert llm.engine.proposer.proposers["draft"].runner.decode_grid.capture
 
 
+def test_draft_trees_on_cuda_graphs_decode_like_cpu(tmp_path):
+    """Draft trees (n-gram and draft model, tree_nodes 8) verified in captured graphs of their own (the
+    tree bits in the grid's buffers, the mask built on the device): the CPU's greedy output (fp32), a
+    windowed target too. In bf16 the chain passes keep flash-attn where it is installed, the tree
+    passes take SDPA, and the output is as long as asked."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    stem = [11, 12, 13]
+    prompts = [stem + [1, 2] + stem + [3, 4] + stem + [5, 6] + stem, [7] * 40, list(range(20, 45)) * 3]
+    for arch, extra in (("llama", {}), ("mistral", {"sliding_window": 72})):
+        path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=0, **extra)
+        cpu = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params)
+        spec = {"method": "auto", "model": str(path), "proposers": ["draft", "ngram"], "num_speculative_tokens": 4,
+                "tree_nodes": 8, "adaptive": False}
+        llm = LLM(str(path), dtype="float32", device="cuda", cuda_graphs=True, speculative=spec)
+        gpu = llm.generate(prompts, params)
+        assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu], arch
+        assert any(key[3] for key in llm.engine.target.decode_grid.graphs), "no tree pass was captured"
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", cuda_graphs=True, speculative=spec)
+    out = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 32 for o in out) and any(key[3] for key in llm.engine.target.decode_grid.graphs)
+
+
 @pytest.mark.skipif(not flash_available(torch.device("cuda")), reason="flash-attn is not installed")
 @pytest.mark.parametrize("sliding_window", [None, 24])
 def test_flash_decode_rows_match_torch_path(sliding_window):
@@ -107,8 +131,8 @@ def test_flash_decode_rows_match_torch_path(sliding_window):
     for use_flash in (False, True):
         grid = DecodeGrid(None, [cache], FLASH_BLOCK_SIZE, scratch_block=7, max_seqs=4, max_query_len=8,
                           max_blocks=2, device=torch.device("cuda"), use_flash=use_flash)
-        rows = grid._fill(items, *grid.shape(items))   # a 4 x 8 grid
-        meta = grid._inputs(*grid.shape(items))[2]
+        rows = grid._fill(items, *grid.shape(items), False)   # a 4 x 8 grid
+        meta = grid._inputs(*grid.shape(items), False)[2]
         generator = torch.Generator("cuda").manual_seed(1)
         q, k, v = (torch.randn(meta.slot_mapping.shape[0], heads, 64, device="cuda", dtype=torch.bfloat16,
                                generator=generator) for heads in (8, 2, 2))

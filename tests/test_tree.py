@@ -175,6 +175,56 @@ def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, monkeypatch, arc
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["kernel", "padded", "grid"])
+def test_a_tree_pass_under_a_sliding_window(tmp_path, monkeypatch, path):
+    """A windowed target (Mistral, window 72) over a 90-token context, so the window cuts it: every
+    node of a branching tree, fed at once and beside a chain, gets the logits of a plain pass over the
+    context and its path (a node's window starts from its depth's position, not its slot's), on the
+    kernel, the padded torch path and the decode grid that CUDA graphs capture (run eagerly here)."""
+    from helpers import make_tiny_checkpoint
+
+    from engine import LLM, attention_metadata
+    from engine.model_runner import ForwardItem
+
+    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "padded" if path == "padded" else "auto")
+    checkpoint = make_tiny_checkpoint(tmp_path / "m", arch="mistral", seed=12, sliding_window=72)
+    runner = LLM(str(checkpoint), dtype="float32", device="cpu", num_kv_blocks=128, block_size=8,
+                 skip_tokenizer_init=True).engine.target
+    if path == "grid":
+        runner.enable_decode_grid(max_seqs=4, max_query_len=16, max_blocks=16, pad=True, capture=False)
+    context = [(7 * i) % 250 + 3 for i in range(90)]
+    table = list(range(1, 14))
+    runner.forward([ForwardItem(context[:-1], 0, table, 1)])
+    tree = DraftTree()
+    a, b = tree.add(7), tree.add(9)
+    a1, b1 = tree.add(11, a), tree.add(13, b)
+    tree.add(12, a), tree.add(14, a1), tree.add(15, b1)
+    fed = [context[-1]] + tree.tokens
+    runner.forward([ForwardItem([1, 2, 3, 4], 0, [20], 0)])
+    passes = []
+    if path == "grid":
+        run = runner.decode_grid.run
+        runner.decode_grid.run = lambda items: passes.append(len(items)) or run(items)
+    logits = runner.forward([ForwardItem(fed, len(context) - 1, table, len(fed), tree.fed_mask()),
+                             ForwardItem([5, 6, 7], 4, [20], 3)])
+    assert passes == ([2] if path == "grid" else [])
+    for row, node in enumerate([-1] + list(range(len(tree)))):
+        tokens = context + ([tree.tokens[n] for n in tree.path(node)] if node >= 0 else [])
+        reference = runner.forward([ForwardItem(tokens, 0, list(range(30, 43)), 1)])[0]
+        torch.testing.assert_close(logits[row], reference, rtol=1e-4, atol=1e-4)
+    runner.forward([ForwardItem([1, 2, 3, 4], 0, [21], 0)])
+    torch.testing.assert_close(runner.forward([ForwardItem([5, 6, 7], 4, [21], 3)]), logits[len(fed):],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_narrow_window_refuses_trees():
+    from engine.attention_metadata import AttentionMetadata
+
+    tree = np.array([[1, 0], [1, 1]], dtype=bool)
+    with pytest.raises(ValueError, match="sliding window over 64 positions, not 32"):
+        AttentionMetadata.build_tree([2], [40], [[0, 1, 2]], 16, torch.device("cpu"), [tree], sliding_window=32)
+
+
 def test_the_accepted_paths_kv_moves_where_the_next_step_reads_it(tmp_path):
     """After a tree pass, the accepted path's keys and values are copied to consecutive positions
     (ModelRunner.move_kv): the next decode step then gives the logits of a plain pass over the

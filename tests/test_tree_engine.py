@@ -190,3 +190,32 @@ def test_one_requests_tree_pass_stays_on_row_independent_linears(target):
     engine = Engine(tree_config(target, "ngram", tree_nodes=24, quantization="bf16"))
     linears = [m for m in engine.target.model.modules() if isinstance(m, StreamedLinear)]
     assert linears and all(m.native_rows is None or m.native_rows >= 25 for m in linears)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory, prompts):
+    """A Mistral target whose 72-position window the prompts (each over 80 tokens) and outputs cross,
+    with its draft, and its plain greedy output."""
+    root = tmp_path_factory.mktemp("tree_window")
+    target = str(make_tiny_checkpoint(root / "target", arch="mistral", seed=4, sliding_window=72))
+    draft = str(make_tiny_checkpoint(root / "draft", arch="mistral", seed=5, num_layers=1, hidden_size=32,
+                                     num_heads=2, num_kv_heads=1, sliding_window=72))
+    rng = random.Random(9)
+    long_prompts = [[rng.randrange(256) for _ in range(60)] + prompt for prompt in prompts[:4]]
+    return target, draft, long_prompts, generate(EngineConfig(model=target, dtype="float32"), long_prompts, GREEDY)[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_trees_under_a_sliding_window_are_lossless(windowed, method):
+    """A windowed target takes trees (its window is wider than any tree): n-gram and draft-model
+    trees, the draft windowed too, give plain decoding's output."""
+    target, draft, long_prompts, plain_out = windowed
+    config = draft_tree_config(target, draft) if method == "draft" else tree_config(target, "ngram")
+    tokens, _, trees = generate(config, long_prompts, GREEDY)
+    assert tokens == plain_out and trees > 0
+
+
+def test_a_narrow_window_keeps_chains(tmp_path, prompts, caplog):
+    target = str(make_tiny_checkpoint(tmp_path / "narrow", arch="mistral", seed=4, sliding_window=32))
+    engine = Engine(tree_config(target, "ngram"))
+    assert engine.tree_nodes == 0 and "sliding window (32 positions) could cut a draft tree" in caplog.text

@@ -22,6 +22,7 @@
 // otherwise).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -160,7 +161,10 @@ void attend(const PagedCache& cache, const float* queries, float* out, const int
       if ((bits >> j) & 1) paths[i * 64 + depth++] = tree_pos + j;
     last[i] = tree_pos + depth - 1;
   }
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  // With a window, the first chunk starts where the earliest row's window does (a tree row's position is
+  // its depth's, so the earliest may lie before first_pos).
+  const int64_t earliest = *std::min_element(last.begin(), last.end());
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, earliest - window + 1) : 0;
   for (int64_t c0 = lo; c0 < seq_len; c0 += CHUNK) {
     const int64_t n = std::min(CHUNK, seq_len - c0);
     for (int64_t j = 0; j < n; ++j) {
@@ -288,7 +292,6 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qk, const torch::Tensor&
                 "tree_bits: contiguous int64 [T]");
     TORCH_CHECK(tree_cols && tree_cols->scalar_type() == torch::kInt && tree_cols->numel() == B &&
                     tree_cols->is_contiguous(), "tree_cols: contiguous int32 [B] with tree_bits");
-    TORCH_CHECK(window == 0, "tree attention takes no sliding window");
   }
   const int64_t* bits = tree_bits ? tree_bits->data_ptr<int64_t>() : nullptr;
   const int32_t* cols = tree_bits ? tree_cols->data_ptr<int32_t>() : nullptr;
