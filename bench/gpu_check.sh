@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The device check, as one prepared run on a GPU machine (run from the repository root), most
 # valuable first, every part cut short at a shared deadline (GPU_CHECK_SECONDS, default 480):
-#   1. the `gpu`-marked tests (flash-attn path vs torch path, engine on CUDA vs CPU, CUDA graphs);
-#   2. bench/bench_engine.py: ours vs transformers generate on the same GPU, batching, and the
+#   1. the `gpu`-marked tests (flash-attn path vs torch path, engine on CUDA vs CPU, CUDA graphs,
+#      draft trees in graphs);
+#   2. bench/gpu_scale.py: a Llama-3.1-8B-shaped target (random weights, load_format dummy) in bf16
+#      with CUDA graphs: plain decoding at batch 1 and 16 against the bandwidth bound, a pass's cost
+#      by its rows, and the oracle sweep of chains against trees;
+#   3. bench/bench_engine.py: ours vs transformers generate on the same GPU, batching, and the
 #      engine with cuda_graphs beside the eager one;
-#   3. the server on CUDA (engine core in its own process, and on a thread; with and without CUDA
+#   4. the server on CUDA (engine core in its own process, and on a thread; with and without CUDA
 #      graphs) against the offline engine, through bench/serve_bench.py: needs the server packages,
 #      installed from wheels in .cache/gpu/wheels (the device reaches no registry), and the default
 #      target's tokenizer and config in .cache/gpu/tokenizer (its weights are random here: the
 #      real ones are too large to carry, and plain decoding costs the same);
-#   4. bench/bench_spec.py with CUDA graphs (speedup at controlled acceptance; fp32, as it checks
+#   5. bench/bench_spec.py with CUDA graphs (speedup at controlled acceptance; fp32, as it checks
 #      that speculative greedy output equals plain, which bf16 rounding breaks);
-#   5. engine-level suites with the engine on CUDA (device "auto" picks it), cheapest first.
-# GPU_CHECK_PARTS (comma-separated names: gpu_tests, bench_engine, serve, bench_spec, engine_tests)
+#   6. engine-level suites with the engine on CUDA (device "auto" picks it), cheapest first.
+# GPU_CHECK_PARTS (comma-separated names: gpu_tests, scale, bench_engine, serve, bench_spec, engine_tests)
 # runs only those. Results go to $OUT (set by the device tool) or ./gpu-results. Prepare the carried files with
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --implementation cp --abi cp312 fastapi uvicorn pydantic -d .cache/gpu/wheels
@@ -22,7 +26,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
-PARTS=",${GPU_CHECK_PARTS:-gpu_tests,bench_engine,serve,bench_spec,engine_tests},"
+PARTS=",${GPU_CHECK_PARTS:-gpu_tests,scale,bench_engine,serve,bench_spec,engine_tests},"
 
 # part LIMIT NAME COMMAND...: run COMMAND for at most LIMIT seconds (less if the deadline is nearer),
 # its output in $OUT/NAME.txt.
@@ -63,6 +67,7 @@ EOF
   python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 part 120 gpu_tests python -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
+part 180 scale python bench/gpu_scale.py --out "$OUT/scale.json"
 part 150 bench_engine python bench/bench_engine.py --dtype bfloat16 --new-tokens 128 --cuda-graphs
 export -f serve_check
 part 300 serve bash -c serve_check

@@ -14,6 +14,9 @@ DRAFT_QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q8_0")
 PROPOSERS = ("draft", "eagle", "ngram", "suffix")
 SPEC_METHODS = ("auto", *PROPOSERS, "none")
 MAX_SPEC_TOKENS = 32
+# How model weights are obtained: read from the checkpoint, or random of its config's shapes (benchmarking
+# a shape without its weights: vLLM's --load-format dummy).
+LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -159,6 +162,7 @@ class EngineConfig:
     cuda_graphs: bool = False             # decode and verification passes replayed as CUDA graphs (GPU only)
     quantization: str = "auto"            # auto | none | bf16 | int8 | gguf: weight-only formats of the linears (CPU)
     tensor_parallel_size: int = 1         # the target sharded over this many processes (engine/tensor_parallel.py)
+    load_format: str = "auto"             # auto: read the weights | dummy: random ones of the config's shapes
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -167,6 +171,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         check_model_path(self.model, "model")
         self._check_tensor_parallel()
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "max_step_failures"):

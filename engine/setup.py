@@ -215,14 +215,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     quantization = "none" if tp else resolve_quantization(config.quantization, config.dtype, dtype, device,
                                                           config.model)
-    target_model = load_model(config.model, dtype, device, gguf_blocks=quantization == "gguf", tensor_parallel=tp)
+    dummy = config.load_format == "dummy"
+    target_model = load_model(config.model, dtype, device, gguf_blocks=quantization == "gguf", tensor_parallel=tp,
+                              random_weights=dummy)
     draft_model = draft_config = head = None
     if "draft" in spec.proposers:
         draft_config = load_hf_config(spec.model)
         check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
         requantize = _draft_requantization(spec, device)
         draft_model = _prepared(load_model(spec.model, draft_dtype, device, quantization == "gguf",
-                                           draft_output_tokens(spec, draft_config), requantize),
+                                           draft_output_tokens(spec, draft_config), requantize, random_weights=dummy),
                                 draft_dtype, device, quantization)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.

@@ -236,7 +236,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config, parent_pid
     device = rank_device(resolve_device(config.device), rank)
     tp = join_group(rank, world_size, init_method, device)
     dtype = tensor_parallel_dtype(config, load_hf_config(config.model), device)
-    model = load_model(config.model, dtype, device, tensor_parallel=tp)
+    model = load_model(config.model, dtype, device, tensor_parallel=tp, random_weights=config.load_format == "dummy")
     channel = Channel(device)
     kind, sizes = channel.receive()
     if kind == STOP:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from engine.config import DTYPES, QUANTIZATIONS, EngineConfig, SpeculativeConfig
+from engine.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, SpeculativeConfig
 
 ENV_PREFIX = "SPECSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -183,6 +183,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("tensor_parallel_size", _parse_int, "shard the target over this many processes on this node "
            "(tensor parallelism: gloo on CPU, NCCL over cuda:0..N-1; under torchrun, its RANK / WORLD_SIZE / "
            "MASTER_ADDR / MASTER_PORT; default 1)", "N"),
+    Option("load_format", _parse_str, "auto reads the weights; dummy gives the model's shapes random ones, read "
+           "from nothing but its config (to benchmark a shape without its weights; default auto)",
+           choices=LOAD_FORMATS),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N"),
     Option("log_level", _parse_str, "logging level (default info)", choices=LOG_LEVELS),
     Option("engine_core", _parse_str, "where the engine loop runs: process (its own, the default: it shares no "

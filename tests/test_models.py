@@ -420,3 +420,30 @@ def test_longrope_rotates_by_the_long_factors_from_the_original_length_on(tmp_pa
         assert torch.allclose(our_sin[:, 0, half:], sin[0, :, half:], atol=1e-6)
     short, long = ours(torch.tensor([63]))[0], ours(torch.tensor([64]))[0]
     assert not torch.allclose(short, long, atol=1e-2)   # the table does switch at the original length
+
+
+def test_dummy_load_format_reads_nothing_but_the_config(tmp_path):
+    """load_format dummy: a directory with only config.json serves (random weights: norms 1, biases 0,
+    the rest N(0, 0.02)); without it, the missing weights are an error that says so."""
+    import shutil
+
+    import numpy as np
+
+    from engine import LLM, SamplingParams
+    from engine.config import EngineConfig
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "full", arch="qwen2", seed=2)
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(checkpoint / "config.json", config_only / "config.json")
+    params = dict(load_model(str(config_only), torch.float32, CPU, random_weights=True).named_parameters())
+    assert torch.all(params["model.norm.weight"] == 1) and torch.all(params["model.layers.0.self_attn.qkv_proj.bias"] == 0)
+    weight = params["model.layers.0.mlp.down_proj.weight"]
+    assert abs(weight.std().item() - 0.02) < 0.005
+    llm = LLM(str(config_only), dtype="float32", device="cpu", load_format="dummy", skip_tokenizer_init=True)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    assert len(out) == 6 and np.all(np.asarray(out) < 272)
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
+        EngineConfig(model=str(checkpoint), load_format="random")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(str(config_only), dtype="float32", device="cpu", skip_tokenizer_init=True)

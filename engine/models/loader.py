@@ -189,18 +189,28 @@ def open_checkpoint(path) -> SafetensorsCheckpoint | GGUFCheckpoint | TorchBinCh
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks: bool = False,
                output_tokens: torch.Tensor | None = None, requantize: str | None = None,
-               tensor_parallel: TensorParallel | None = None) -> CausalLM:
+               tensor_parallel: TensorParallel | None = None, random_weights: bool = False) -> CausalLM:
     """The model on device in dtype; with gguf_blocks (`quantization: gguf`), a GGUF file's linears in
     kernel-supported types are served from their blocks (engine/models/gguf_linear.py), never dequantized;
     with `requantize` (a GGUF type name: a draft's `speculative.quantization`), every linear of any
     checkpoint is quantized into that type at load and served by the same kernels.
     output_tokens (token ids): an LM head over those rows only (a draft vocabulary, see
     CausalLM.compute_logits). tensor_parallel: this rank's shard only (engine/models/parallel.py), read
-    from a safetensors checkpoint slice by slice."""
+    from a safetensors checkpoint slice by slice. random_weights (`load_format: dummy`): no weight is
+    read; the config's shapes get random ones (fill_random)."""
     config = load_hf_config(path)
     model_cls = SUPPORTED_ARCHITECTURES[architecture_of(config)]
-    checkpoint = open_checkpoint(path)
     device = torch.device(device)
+    if random_weights:
+        with torch.device("meta"):
+            model = build_sharded(config, tensor_parallel, model_cls) \
+                if tensor_parallel is not None and tensor_parallel.world_size > 1 else model_cls(config)
+        fill_random(model, dtype, device)
+        if output_tokens is not None:
+            restrict_output(model, output_tokens.to(device))
+        model.init_buffers(device, dtype)
+        return model.eval()
+    checkpoint = open_checkpoint(path)
     if tensor_parallel is not None and tensor_parallel.world_size > 1:
         if not isinstance(checkpoint, SafetensorsCheckpoint) or gguf_blocks or requantize or output_tokens is not None:
             raise ValueError("tensor parallelism loads safetensors checkpoints, unquantized, whole vocabulary")
@@ -218,6 +228,22 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks:
         restrict_output(model, output_tokens.to(device))
     model.init_buffers(device, dtype)
     return model.eval()
+
+
+def fill_random(model: CausalLM, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+    """Every parameter of a (meta) model made on the device: norm weights 1, biases 0, the rest
+    N(0, 0.02), so activations stay in range through any depth. The costs of a shape, for benchmarks
+    and device checks that cannot carry its weights."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in list(model.named_parameters()):
+        tensor = torch.empty(param.shape, dtype=dtype, device=device)
+        if param.dim() == 1:
+            tensor.fill_(1.0 if "norm" in name.rsplit(".", 2)[-2] else 0.0)
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    model.tie_weights()
 
 
 def restrict_output(model: CausalLM, token_ids: torch.Tensor) -> None:
