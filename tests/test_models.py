@@ -37,6 +37,7 @@ CASES = {
     "phi3": dict(arch="phi3"),   # q/k/v and gate/up fused in the checkpoint
     # LongRoPE's short factors and attention scaling (the sequences here stay below the original length)
     "phi3_longrope": dict(arch="phi3", max_position_embeddings=256, rope_parameters=PHI3_LONGROPE),
+    "phi3_partial_rope": dict(arch="phi3", partial_rotary_factor=0.75),   # Phi-4-mini rotates 3/4 of each head
 }
 
 # Disjoint, shuffled block tables (8 blocks = 32 tokens per sequence), so paging is exercised.

@@ -1,5 +1,5 @@
 """Phi-3 through the engine and the server: greedy generation equal to transformers' generate (with a
-sliding window shorter than the sequences, and with LongRoPE), speculative decoding lossless with a
+sliding window shorter than the sequences, with LongRoPE, and with Phi-4-mini's partial RoPE), speculative decoding lossless with a
 draft model, n-gram and suffix drafts, one server round trip. Logit parity and the LongRoPE table
 are in test_models.py."""
 from __future__ import annotations
@@ -16,7 +16,12 @@ from engine.engine import Engine
 from helpers import make_tiny_checkpoint, run_requests
 from test_models import PHI3_LONGROPE
 
-CASES = {"window": dict(sliding_window=8), "longrope": dict(max_position_embeddings=256, rope_parameters=PHI3_LONGROPE)}
+# Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75) with LongRoPE over those dimensions.
+PHI4_LONGROPE = {**PHI3_LONGROPE, "short_factor": PHI3_LONGROPE["short_factor"][:6],
+                 "long_factor": PHI3_LONGROPE["long_factor"][:6]}
+CASES = {"window": dict(sliding_window=8), "longrope": dict(max_position_embeddings=256, rope_parameters=PHI3_LONGROPE),
+         "partial": dict(partial_rotary_factor=0.5),
+         "partial_longrope": dict(partial_rotary_factor=0.75, max_position_embeddings=256, rope_parameters=PHI4_LONGROPE)}
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +84,24 @@ def test_server_answers_on_phi3(paths):
         [render_chat(tokenizer, messages)], SamplingParams(max_tokens=16, temperature=0))[0]
     assert response["choices"][0]["message"]["content"] == tokenizer.decode(expected.token_ids,
                                                                             skip_special_tokens=True)
+
+
+
+def test_partial_rope_on_the_torch_path_and_with_speculation(paths, prompts, monkeypatch):
+    """Phi-4-mini's shape (3/4 of each head rotated by LongRoPE, the rest passing, served by the
+    full-head kernels after the q/k dimensions are reordered at load): transformers' greedy output
+    on the torch attention path too, and n-gram speculation gives plain decoding's output."""
+    from engine import attention_metadata
+
+    path = str(paths["partial_longrope"])
+    params = SamplingParams(max_tokens=16, temperature=0)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "padded")
+    assert [o.token_ids for o in LLM(path, dtype="float32", device="cpu").generate(prompts, params)] == expected
+    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "auto")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    plain = run_requests(Engine(EngineConfig(model=path, dtype="float32")), prompts, GREEDY)[0]
+    tokens, finals = run_requests(Engine(EngineConfig(model=path, dtype="float32", speculative=spec)), prompts, GREEDY)
+    assert tokens == plain and sum(f.spec.proposed for f in finals) > 0

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, scatter_draft_logits
+from engine.models.llama import CausalLM, DecoderLayer, RMSNorm, arrange_rotary_dims, scatter_draft_logits
 from engine.models.rope import RotaryEmbedding
 
 HEAD_FORMAT = 1
@@ -169,6 +169,7 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: tor
         head = EagleHead(config, target)
     checkpoint = open_checkpoint(path)
     load_weights(head, checkpoint, dtype, torch.device(device))
+    arrange_rotary_dims(head)
     head.init_buffers(torch.device(device), dtype)
     vocab = checkpoint.get(DRAFT_VOCAB)
     if (vocab is None) != (eagle.get("draft_vocab_size") is None) or (

@@ -38,7 +38,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.eagle import SelfDraftingHead
-from engine.models.llama import CausalLM, DecoderLayer, FusedLinear, RMSNorm, scatter_draft_logits
+from engine.models.llama import CausalLM, DecoderLayer, FusedLinear, RMSNorm, arrange_rotary_dims, scatter_draft_logits
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 OWN_EMBEDDINGS = "embed_tokens.weight"
@@ -136,6 +136,7 @@ def load_published_eagle3(path: str, target: CausalLM, dtype: torch.dtype,
     with torch.device("meta"):
         head = PublishedEagle3Head(config, target, own_embeddings)
     load_weights(head, checkpoint, dtype, torch.device(device))
+    arrange_rotary_dims(head)
     head.init_buffers(torch.device(device), dtype)
     if head.draft_vocab_size != target.vocab_size:
         head.draft_vocab = _draft_to_target(checkpoint, head.draft_vocab_size, target.vocab_size, path).to(device)

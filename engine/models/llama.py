@@ -45,7 +45,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, rope_paged_attention
 from engine.models.moe import moe_block
-from engine.models.rope import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding, rotary_order
 
 
 class FusedLinear(nn.Linear):
@@ -150,6 +150,23 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     softcap: float | None = None   # score soft-capping (Gemma 2's attention)
+
+    def reorder_rotary_dims(self, order: torch.Tensor) -> None:
+        """Keep each query and key head's dimensions in `order` (rope.rotary_order: partial RoPE on
+        the full-head kernels): the rows of q and k in qkv_proj, and q/k norm weights."""
+        if type(self.qkv_proj) is not FusedLinear:
+            raise ValueError("partial RoPE reorders the q/k rows of plain linears: load this model without "
+                             "GGUF-served blocks (quantization none or bf16)")
+        D, qk_heads = self.head_dim, self.num_heads + self.num_kv_heads
+        rows = torch.cat([order + h * D for h in range(qk_heads)] + [torch.arange(qk_heads * D, qk_heads * D
+                                                                                  + self.kv_size)])
+        rows = rows.to(self.qkv_proj.weight.device)
+        for param in (self.qkv_proj.weight, self.qkv_proj.bias):
+            if param is not None:
+                param.data = param.data.index_select(0, rows)
+        if self.qk_norm:
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.data = norm.weight.data.index_select(0, order.to(norm.weight.device))
 
     def norm_heads(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The q/k heads [T, H_q + H_kv, D] normed, weight [H_q + H_kv, D] (q_norm's rows, then k_norm's)."""
@@ -266,6 +283,18 @@ def layer_sliding_windows(config) -> list[int | None]:
 def _sliding_window(config) -> int | None:
     """The window of the sliding layers, if any layer slides."""
     return next((w for w in layer_sliding_windows(config) if w is not None), None)
+
+
+def arrange_rotary_dims(model: nn.Module) -> None:
+    """Once a model's (or an EAGLE head's) weights are in: with partial RoPE (Phi-4-mini), each
+    attention's q/k dimensions reordered so that the full-head RoPE of every attention path serves
+    it (rope.rotary_order)."""
+    rope = next((m for m in model.modules() if isinstance(m, RotaryEmbedding)), None)
+    order = None if rope is None else rotary_order(rope.config, rope.head_dim)
+    if order is not None:
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.reorder_rotary_dims(order)
 
 
 class CausalLM(nn.Module):

@@ -20,7 +20,7 @@ from engine.models.gguf import GGUFCheckpoint, find_gguf, open_gguf
 from engine.models.multimodal import text_config, text_view
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gguf_linear import GGUFLinear, GGUFPart, quantize_blocks, servable
-from engine.models.llama import CausalLM, FusedLinear
+from engine.models.llama import CausalLM, FusedLinear, arrange_rotary_dims
 from engine.models.parallel import TensorParallel, build_sharded, shard_plan
 
 SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -206,6 +206,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks:
             model = build_sharded(config, tensor_parallel, model_cls) \
                 if tensor_parallel is not None and tensor_parallel.world_size > 1 else model_cls(config)
         fill_random(model, dtype, device)
+        arrange_rotary_dims(model)
         if output_tokens is not None:
             restrict_output(model, output_tokens.to(device))
         model.init_buffers(device, dtype)
@@ -217,6 +218,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks:
         with torch.device("meta"):
             model = build_sharded(config, tensor_parallel, model_cls)
         load_weights(model, checkpoint, dtype, device, shard=shard_plan)
+        arrange_rotary_dims(model)
         model.init_buffers(device, dtype)
         return model.eval()
     with torch.device("meta"):
@@ -224,6 +226,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks:
     served = serve_gguf_linears(model, checkpoint, output_tokens, requantize) \
         if requantize or (gguf_blocks and isinstance(checkpoint, GGUFCheckpoint)) else frozenset()
     load_weights(model, checkpoint, dtype, device, served)
+    arrange_rotary_dims(model)
     if output_tokens is not None:
         restrict_output(model, output_tokens.to(device))
     model.init_buffers(device, dtype)

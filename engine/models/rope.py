@@ -25,15 +25,39 @@ def _rope_parameters(config) -> dict:
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def rotary_dim(config, head_dim: int) -> int:
+    """The dimensions of each head that rotate: all, or with partial_rotary_factor (Phi-4-mini: 0.75)
+    the first head_dim * factor of them (the rest pass unrotated)."""
+    params = _rope_parameters(config)
+    partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    dim = int(head_dim * partial)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor {partial} gives {dim} rotary dimensions of {head_dim}: "
+                         "it must give an even number from 2 to the head size")
+    return dim
+
+
+def rotary_order(config, head_dim: int) -> torch.Tensor | None:
+    """With partial RoPE, the order in which a head's query/key dimensions are kept (new dimension j is
+    the checkpoint's order[j]), so that the full-head neox kernels serve it: the rotary pairs (i,
+    i + rotary / 2) become the kernels' pairs (i, i + head_dim / 2) and the passing dimensions pair up
+    with each other at angle 0 (RotaryEmbedding: cos 1, sin 0). A q . k product is the same in any
+    order shared by both; None when every dimension rotates."""
+    rotary = rotary_dim(config, head_dim)
+    if rotary == head_dim:
+        return None
+    half, passing = rotary // 2, (head_dim - rotary) // 2
+    return torch.cat([torch.arange(0, half), torch.arange(rotary, rotary + passing),
+                      torch.arange(half, rotary), torch.arange(rotary + passing, head_dim)])
+
+
 def rope_inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling), computed exactly as transformers does."""
+    """(inv_freq [rotary_dim // 2] fp32 on CPU, attention_scaling), computed exactly as transformers does."""
     params = _rope_parameters(config)
     rope_type = params["rope_type"]
-    partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
-    if partial != 1.0:
-        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
     if rope_type == "default":
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        dim = rotary_dim(config, head_dim)
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
         return 1.0 / (float(params["rope_theta"]) ** exponent), 1.0
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}, longrope")
@@ -44,7 +68,7 @@ def rope_inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float
 
 
 def rope_angles(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
-    """(each position's rotation angles [max_positions, head_dim // 2] fp32, attention_scaling).
+    """(each position's rotation angles [max_positions, rotary_dim // 2] fp32, attention_scaling).
 
     LongRoPE (Phi-3) rescales the frequencies by short factors up to original_max_position_embeddings
     and by long ones past it. Here the choice is per position: a key's rotation must not change once
@@ -82,11 +106,16 @@ class RotaryEmbedding(nn.Module):
 
     def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
         """(Re)compute the cache in fp32 on the CPU, then store it in the model's dtype."""
-        freqs, attention_scaling = rope_angles(self.config, self.head_dim, self.max_positions)   # [P, D/2]
-        angles = torch.cat((freqs, freqs), dim=-1)                # [P, D]
-        cos = angles.cos() * attention_scaling
-        sin = angles.sin() * attention_scaling
+        freqs, attention_scaling = rope_angles(self.config, self.head_dim, self.max_positions)   # [P, R/2]
         half = self.head_dim // 2
+        # Partial RoPE: the passing dimensions (rotary_order puts them after the rotary ones in each
+        # half) at angle 0 and scale 1: cos 1, sin 0, exactly.
+        scale = torch.ones(half)
+        scale[:freqs.shape[1]] = attention_scaling
+        freqs = torch.nn.functional.pad(freqs, (0, half - freqs.shape[1]))
+        angles, scale = torch.cat((freqs, freqs), dim=-1), torch.cat((scale, scale))   # [P, D], [D]
+        cos = angles.cos() * scale
+        sin = angles.sin() * scale
         sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         cache = torch.stack((cos, sin_signed), dim=1).unsqueeze(2)  # [P, 2, 1, D]
         self.cos_sin_cache = cache.to(device=device, dtype=dtype)
