@@ -219,3 +219,29 @@ def test_a_narrow_window_keeps_chains(tmp_path, prompts, caplog):
     target = str(make_tiny_checkpoint(tmp_path / "narrow", arch="mistral", seed=4, sliding_window=32))
     engine = Engine(tree_config(target, "ngram"))
     assert engine.tree_nodes == 0 and "sliding window (32 positions) could cut a draft tree" in caplog.text
+
+
+def test_a_mixed_batch_drafts_its_chains_and_trees_in_the_same_forwards(target, prompts, drafts):
+    """A request with a repetition penalty drafts a chain (its penalties judge one history) beside
+    requests that draft trees: the draft model serves both in one catch-up forward and then one
+    forward per depth, never more forwards than the longest chain has tokens; greedy output is plain
+    decoding's."""
+    params = [GREEDY] + [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                        repetition_penalty=1.3)] + [GREEDY] * (len(prompts) - 2)
+    plain_out = generate(EngineConfig(model=target, dtype="float32"), prompts, params)[0]
+    engine = Engine(draft_tree_config(target, drafts["random"]))
+    proposer = engine.proposer.proposers["draft"]
+    calls, mixed = [0], []
+    forward, draft = proposer.runner.forward, proposer._draft
+    proposer.runner.forward = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or forward(*a, **k)
+
+    def counted(items, growing):
+        before = calls[0]
+        proposal = draft(items, growing)
+        if 0 < len(growing) < len(items):
+            mixed.append((calls[0] - before, len(proposal.forwards), max(item.k for item in items)))
+        return proposal
+    proposer._draft = counted
+    tokens, _ = run_requests(engine, prompts, params)
+    assert tokens == plain_out
+    assert mixed and all(made == timed <= longest for made, timed, longest in mixed), mixed

@@ -24,6 +24,7 @@ from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample, warp_probs
 from engine.spec_decode.base import DraftJob, Proposal
+from engine.spec_decode.tree import DraftTree
 from engine.spec_decode.tree_growth import TreeGrowth
 from engine.structured import mask_logits
 from engine.step_costs import DraftForward
@@ -77,87 +78,87 @@ class DraftModelProposer:
 
     # ---- drafting ----------------------------------------------------------------
     def propose(self, items: list[DraftJob]) -> Proposal:
-        growing = [a for a, item in enumerate(items) if item.wants_tree and self.tree_size(item.request)]
+        growing = {a for a, item in enumerate(items) if item.wants_tree and self.tree_size(item.request)}
         if not growing:
             return self._propose_chains(items)
         if len(growing) == len(items):
             return self._propose_trees(items)
-        chained = [a for a in range(len(items)) if a not in growing]
-        chains, trees = self._propose_chains([items[a] for a in chained]), self._propose_trees([items[a] for a in growing])
-        drafts, forwards = [[] for _ in items], chains.forwards + trees.forwards
-        for rows, part in ((chained, chains), (growing, trees)):
-            for a, tokens in zip(rows, part.draft_token_ids):
-                drafts[a] = tokens
-        all_trees = [None] * len(items)
-        for a, tree in zip(growing, trees.trees or [None] * len(growing)):
-            all_trees[a] = tree
-        probs = None
-        if chains.draft_probs is not None:   # tree nodes are deterministic: zero rows
-            probs = chains.draft_probs.new_zeros(len(items), *chains.draft_probs.shape[1:])
-            probs[torch.tensor(chained, device=probs.device)] = chains.draft_probs
-        return Proposal(drafts, probs, forwards, all_trees if any(t is not None for t in all_trees) else None)
+        return self._draft(items, growing)
 
     def _propose_chains(self, items: list[DraftJob]) -> Proposal:
-        drafts: list[list[int]] = [[] for _ in items]
-        max_k = max(item.k for item in items)
+        return self._draft(items, set())
+
+    def _propose_trees(self, items: list[DraftJob]) -> Proposal:
+        return self._draft(items, set(range(len(items))))
+
+    def _draft(self, items: list[DraftJob], growing: set[int]) -> Proposal:
+        """A chain for each job not in `growing`, a tree for each one in it, drafted together: one
+        catch-up forward for all, then one forward per depth that feeds each chain its newest token
+        and each tree its frontier (each node seeing the context and its ancestors)."""
         requests = [item.request for item in items]
-        params = [self._draft_params(r.params) for r in requests]
-        rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
+        drafts: list[list[int]] = [[] for _ in items]
+        growths = {g: TreeGrowth(items[g].num_lookahead, items[g].k, items[g].p_min, requests[g].eos_token_ids,
+                                 items[g].tree_p_min) for g in growing}
+        active = [a for a in range(len(items)) if a not in growing]   # chains still drafting
+        feeding = sorted(growing)                                      # trees with a frontier to feed
+        rows, catch_up = len(items), sum(self.catch_up_tokens(r) for r in requests)
         started = work_clock()
-        logits = self._fit_vocab(self._catch_up(items))
-        # q matters only to rows verified by rejection sampling: greedy and seeded (coupled) rows
-        # accept by the target's own choice. Without such rows, no [batch x k x vocab] buffer.
-        needs_q = any(not r.params.greedy and r.noise is None for r in requests)
-        draft_probs = logits.new_zeros(len(items), max_k, logits.shape[-1]) if needs_q else None
-        confidence = [1.0] * len(items)
-        forwards = []   # each draft step, timed: the forward and its sampling
-        active = list(range(len(items)))
-        for step in range(max_k):
-            _mask_by_grammar(logits, [requests[a] for a in active], [drafts[a] for a in active])
-            if all(params[a].greedy for a in active):
-                tokens, own = greedy_choice(logits)
-            else:
-                tokens, own = self._sampled_choice(logits, [requests[a] for a in active],
-                                                   [params[a] for a in active], step, draft_probs, active)
-            for a, token, p in zip(active, tokens, own):
-                drafts[a].append(token)
-                confidence[a] *= p
-            # The .tolist() calls of the choice waited for the device: the step is over.
+        logits = self._fit_vocab(self._catch_up(items))   # a row per job, in job order
+        # q matters only to chain rows verified by rejection sampling: greedy and seeded (coupled) rows
+        # accept by the target's own choice, and tree nodes are deterministic (zero rows).
+        needs_q = any(not requests[a].params.greedy and requests[a].noise is None for a in active)
+        draft_probs = logits.new_zeros(len(items), max(items[a].k for a in active), logits.shape[-1]) \
+            if needs_q else None
+        chain_logits, tree_logits = _rows(logits, active), _rows(logits, feeding)
+        confidence, forwards, step = [1.0] * len(items), [], 0   # forwards: each draft step, timed
+        while True:
+            if active:
+                self._extend_chains(chain_logits, items, active, drafts, confidence, step, draft_probs)
+            if feeding:
+                self._expand_trees(tree_logits, [requests[g] for g in feeding], [growths[g] for g in feeding])
+            # The .tolist() calls of the choices waited for the device: the step is over.
             forwards.append(DraftForward(self.method, rows, catch_up, work_clock() - started))
             active = [a for a in active if items[a].k > step + 1 and confidence[a] >= items[a].p_min
                       and drafts[a][-1] not in requests[a].eos_token_ids]   # nothing follows an end
-            if not active:
-                break
-            rows, catch_up, started = len(active), 0, work_clock()
-            logits = self._fit_vocab(self._feed_drafts([items[a] for a in active], [drafts[a] for a in active]))
-        return Proposal(drafts, draft_probs, forwards)
-
-    def _propose_trees(self, items: list[DraftJob]) -> Proposal:
-        """A tree per job, grown a depth per forward; every job's frontier in one batched forward."""
-        rows, catch_up = len(items), sum(self.catch_up_tokens(item.request) for item in items)
-        started = work_clock()
-        logits = self._fit_vocab(self._catch_up(items))
-        growths = [TreeGrowth(item.num_lookahead, item.k, item.p_min, item.request.eos_token_ids, item.tree_p_min)
-                   for item in items]
-        feeding, forwards = list(range(len(items))), []
-        while True:
-            probs = self._confidences(logits, [items[g].request for g in feeding for _ in growths[g].frontier])
-            top, tokens = probs.topk(min(max(growths[g].room for g in feeding), probs.shape[-1]), dim=-1)
-            top, tokens, row = top.tolist(), tokens.tolist(), 0
-            for g in feeding:
-                width = len(growths[g].frontier)
-                growths[g].expand(list(zip(tokens[row:row + width], top[row:row + width])))
-                row += width
-            forwards.append(DraftForward(self.method, rows, catch_up, work_clock() - started))
             feeding = [g for g in feeding if growths[g].frontier]
-            if not feeding:
+            if not active and not feeding:
                 break
-            started, catch_up = work_clock(), 0
-            rows = sum(len(growths[g].frontier) for g in feeding)
-            logits = self._fit_vocab(self._feed_tree([items[g] for g in feeding], [growths[g] for g in feeding]))
-        grown = [growth.result() for growth in growths]
-        return Proposal([tree.tokens for tree in grown], None, forwards,
-                        [None if tree.is_chain else tree for tree in grown])
+            step, started, catch_up = step + 1, work_clock(), 0
+            rows = len(active) + sum(len(growths[g].frontier) for g in feeding)
+            logits = self._fit_vocab(self._feed([items[a] for a in active], [drafts[a] for a in active],
+                                                [items[g] for g in feeding], [growths[g] for g in feeding]))
+            chain_logits, tree_logits = logits[:len(active)], logits[len(active):]
+        trees: list[DraftTree | None] = [None] * len(items)
+        for g, growth in growths.items():
+            tree = growth.result()
+            drafts[g], trees[g] = tree.tokens, None if tree.is_chain else tree
+        return Proposal(drafts, draft_probs, forwards, trees if any(t is not None for t in trees) else None)
+
+    def _extend_chains(self, logits: torch.Tensor, items: list[DraftJob], active: list[int],
+                       drafts: list[list[int]], confidence: list[float], step: int,
+                       draft_probs: torch.Tensor | None) -> None:
+        """Each active chain's next draft token from its row of logits (its grammar's mask applied),
+        and the draft's confidence in it."""
+        requests = [items[a].request for a in active]
+        params = [self._draft_params(r.params) for r in requests]
+        _mask_by_grammar(logits, requests, [drafts[a] for a in active])
+        if all(p.greedy for p in params):
+            tokens, own = greedy_choice(logits)
+        else:
+            tokens, own = self._sampled_choice(logits, requests, params, step, draft_probs, active)
+        for a, token, p in zip(active, tokens, own):
+            drafts[a].append(token)
+            confidence[a] *= p
+
+    def _expand_trees(self, logits: torch.Tensor, requests: list[Request], growths: list[TreeGrowth]) -> None:
+        """Each growing tree's frontier scored from its rows (a row per frontier node, in order)."""
+        probs = self._confidences(logits, [r for r, growth in zip(requests, growths) for _ in growth.frontier])
+        top, tokens = probs.topk(min(max(growth.room for growth in growths), probs.shape[-1]), dim=-1)
+        top, tokens, row = top.tolist(), tokens.tolist(), 0
+        for growth in growths:
+            width = len(growth.frontier)
+            growth.expand(list(zip(tokens[row:row + width], top[row:row + width])))
+            row += width
 
     def _confidences(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The draft's distribution of each row's next token, as it would draw it: softmax for
@@ -166,17 +167,6 @@ class DraftModelProposer:
         if all(p.greedy for p in params):
             return logits.float().softmax(dim=-1)
         return warp_probs(logits, SamplingTensors.from_params(params, logits.device))
-
-    def _feed_tree(self, items: list[DraftJob], growths: list[TreeGrowth]) -> torch.Tensor:
-        """Feed each job's frontier (its tree's newest nodes, at the slots after the nodes before them),
-        each seeing the context and its ancestors; logits for their children. The cursor stays at the
-        root: these positions hold guesses."""
-        forward = []
-        for item, growth in zip(items, growths):
-            request, frontier = item.request, growth.frontier
-            forward.append(ForwardItem([growth.tree.tokens[n] for n in frontier], request.num_tokens + frontier[0],
-                                       request.block_table, len(frontier), growth.feed_mask()))
-        return self.runner.forward(forward)
 
     @staticmethod
     def _sampled_choice(logits: torch.Tensor, requests: list[Request], params: list, step: int,
@@ -221,15 +211,34 @@ class DraftModelProposer:
             self._set_cursor(request, end)
         return self.runner.forward(forward)
 
-    def _feed_drafts(self, items: list[DraftJob], drafts: list[list[int]]) -> torch.Tensor:
-        """Feed each request its newest draft token; logits for the next one."""
+    def _feed(self, chains: list[DraftJob], drafts: list[list[int]], trees: list[DraftJob],
+              growths: list[TreeGrowth]) -> torch.Tensor:
+        """One forward: each chain's newest draft token (its cursor moves past it), then each tree's
+        frontier (its newest nodes, at the slots after the nodes before them, each seeing the context
+        and its ancestors; the cursor stays at the root: these positions hold guesses). Logits for
+        what follows each fed token, in that order."""
         forward = []
-        for item, tokens in zip(items, drafts):
+        for item, tokens in zip(chains, drafts):
             request = item.request
             position = request.num_tokens + len(tokens) - 1
             forward.append(ForwardItem([tokens[-1]], position, request.block_table, 1))
             self._set_cursor(request, position + 1)
-        return self.runner.forward(forward)
+        return self.runner.forward(forward + frontier_items(trees, growths, lambda r: r.num_tokens))
+
+
+def frontier_items(items: list[DraftJob], growths: list[TreeGrowth], root) -> list[ForwardItem]:
+    """Each tree's frontier as one forward item: node n at slot root(request) + n (the root is the
+    request's last token, its children from the next slot on), under the tree's mask."""
+    return [ForwardItem([growth.tree.tokens[n] for n in growth.frontier], root(item.request) + growth.frontier[0],
+                        item.request.block_table, len(growth.frontier), growth.feed_mask())
+            for item, growth in zip(items, growths)]
+
+
+def _rows(logits: torch.Tensor, jobs: list[int]) -> torch.Tensor:
+    """The rows of these jobs (every row, as is, when they are all the jobs in order)."""
+    if len(jobs) == logits.shape[0]:
+        return logits
+    return logits.index_select(0, torch.tensor(jobs, dtype=torch.long, device=logits.device))
 
 
 def greedy_choice(logits: torch.Tensor) -> tuple[list[int], list[float]]:

@@ -26,7 +26,7 @@ import torch
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.spec_decode.base import DraftJob
-from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.draft_model import DraftModelProposer, frontier_items
 from engine.spec_decode.tree_growth import TreeGrowth
 
 
@@ -61,37 +61,26 @@ class EagleProposer(DraftModelProposer):
         self._remember(items, hidden)
         return logits
 
-    def _feed_drafts(self, items: list[DraftJob], drafts: list[list[int]]) -> torch.Tensor:
-        """Feed each request (its newest head output, its newest draft token); logits for the next.
-        The cursor stays: these positions hold the head's guesses, not the target's features."""
-        forward = []
-        for item, tokens in zip(items, drafts):
-            request = item.request
-            forward.append(ForwardItem([tokens[-1]], request.num_computed_tokens + len(tokens) - 1,
-                                       request.block_table, 1))
-        features = torch.stack([self._chain[item.request.request_id] for item in items])
-        logits, hidden = self.runner.forward(forward, features, return_hidden=True)
-        self._remember(items, hidden)
-        return logits
-
-    def _feed_tree(self, items: list[DraftJob], growths: list[TreeGrowth]) -> torch.Tensor:
-        """Feed each job's frontier, each node paired with the head's output at its parent, at the slots
-        from the request's newest computed position (the head's input at p is the feature at p and the
-        token at p + 1), each node seeing the context and its ancestors; logits for their children.
-        The cursor stays: these positions hold guesses."""
-        forward, features = [], []
-        for item, growth in zip(items, growths):
-            request, frontier = item.request, growth.frontier
-            outputs = self._node_outputs.setdefault(request.request_id, {-1: self._chain[request.request_id]})
-            tokens = [growth.tree.tokens[n] for n in frontier]
-            forward.append(ForwardItem(tokens, request.num_computed_tokens + frontier[0], request.block_table,
-                                       len(frontier), growth.feed_mask()))
-            features.extend(outputs[growth.tree.parents[n]] for n in frontier)
+    def _feed(self, chains: list[DraftJob], drafts: list[list[int]], trees: list[DraftJob],
+              growths: list[TreeGrowth]) -> torch.Tensor:
+        """One forward: each chain's (newest head output, newest draft token), then each tree's frontier,
+        each node paired with the head's output at its parent, at the slots from the request's newest
+        computed position (the head's input at p is the feature at p and the token at p + 1), each
+        node seeing the context and its ancestors. Logits for what follows each, in that order. The
+        cursor stays: these positions hold the head's guesses, not the target's features."""
+        forward = [ForwardItem([tokens[-1]], item.request.num_computed_tokens + len(tokens) - 1,
+                               item.request.block_table, 1) for item, tokens in zip(chains, drafts)]
+        features = [self._chain[item.request.request_id] for item in chains]
+        for item, growth in zip(trees, growths):
+            rid = item.request.request_id
+            outputs = self._node_outputs.setdefault(rid, {-1: self._chain[rid]})
+            features.extend(outputs[growth.tree.parents[n]] for n in growth.frontier)
+        forward += frontier_items(trees, growths, lambda r: r.num_computed_tokens)
         logits, hidden = self.runner.forward(forward, torch.stack(features), return_hidden=True)
-        rows = iter(hidden)
-        for item, growth in zip(items, growths):
-            outputs = self._node_outputs[item.request.request_id]
-            outputs.update((n, next(rows)) for n in growth.frontier)
+        self._remember(chains, hidden[:len(chains)])
+        rows = iter(hidden[len(chains):])
+        for item, growth in zip(trees, growths):
+            self._node_outputs[item.request.request_id].update((n, next(rows)) for n in growth.frontier)
         return logits
 
     def _remember(self, items: list[DraftJob], hidden: torch.Tensor) -> None:
