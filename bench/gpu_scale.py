@@ -38,7 +38,7 @@ from common import read_bandwidth  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
-from engine.spec_decode.tree import BuiltTrees, DraftTree, chain_first  # noqa: E402
+from engine.spec_decode.tree import BuiltTrees, DraftTree  # noqa: E402
 
 SHAPES = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
