@@ -38,6 +38,7 @@ from common import read_bandwidth  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
+from engine.spec_decode.base import Proposal  # noqa: E402
 from engine.spec_decode.tree import BuiltTrees, DraftTree  # noqa: E402
 
 SHAPES = {
@@ -100,8 +101,6 @@ class OracleCopy:
         return 0
 
     def propose(self, jobs):
-        from engine.spec_decode.base import Proposal
-
         drafts, trees = self.trees.drafts(jobs, lambda job: self._chain(job.request, job.k))
         return Proposal(drafts, None, trees=trees)
 
