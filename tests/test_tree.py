@@ -328,13 +328,13 @@ def test_a_tree_holds_the_chain_first_and_adds_alternatives_that_pay():
     a, b = tree.add(4), tree.add(7)
     a1, a2, b1 = tree.add(5, a), tree.add(6, a), tree.add(8, b)
     probs = [0.6, 0.4, 0.3, 0.3, 0.4]
-    first, ordered = chain_first(tree, probs, [4, 6, 99])
-    assert first.chain == 3 and first.tokens[:3] == [4, 6, 99] and ordered[:3] == [0.6, 0.3, 0.3]   # 99: added back
-    kept = cut(first, ordered, chain_length=2, max_nodes=8, p_min=0.35)
+    first = chain_first(tree, probs, [4, 6, 99])
+    assert first.chain == 3 and first.tokens[:3] == [4, 6, 99] and first.chances[:3] == [0.6, 0.3, 0.3]   # 99: added back
+    kept = cut(first, chain_length=2, max_nodes=8, p_min=0.35)
     assert kept.tokens == [4, 6, 7, 8] and kept.chain == 2   # 5 (0.3) does not pay; 7 and 8 (0.4) do
     assert [kept.tokens[n] for n in kept.path(3)] == [7, 8]
-    assert cut(first, ordered, chain_length=2, max_nodes=3, p_min=0.0).tokens == [4, 6, 7]
-    assert cut(first, ordered, chain_length=1, max_nodes=8, p_min=0.5).tokens == [4]
+    assert cut(first, chain_length=2, max_nodes=3, p_min=0.0).tokens == [4, 6, 7]
+    assert cut(first, chain_length=1, max_nodes=8, p_min=0.5).tokens == [4]
 
 
 def test_a_tree_keeps_its_nodes_chances_to_judge_its_alternatives():
@@ -343,9 +343,9 @@ def test_a_tree_keeps_its_nodes_chances_to_judge_its_alternatives():
     tree = DraftTree()
     a, b = tree.add(4), tree.add(7)
     tree.add(5, a), tree.add(8, b)
-    first, ordered = chain_first(tree, [0.6, 0.4, 0.5, 0.3], [4, 5])
-    assert first.chances == ordered == [0.6, 0.5, 0.4, 0.3]
-    kept = cut(first, ordered, chain_length=2, max_nodes=8, p_min=0.35)
+    first = chain_first(tree, [0.6, 0.4, 0.5, 0.3], [4, 5])
+    assert first.chances == [0.6, 0.5, 0.4, 0.3]
+    kept = cut(first, chain_length=2, max_nodes=8, p_min=0.35)
     assert kept.tokens == [4, 5, 7] and kept.chances == [0.6, 0.5, 0.4]
     assert kept.alternatives(accepted=[2]) == (pytest.approx(0.4), 1)
     assert kept.alternatives(accepted=[0, 1]) == (pytest.approx(0.4), 0)

@@ -147,9 +147,10 @@ def best_first_tree(continuations: list[list[int]], max_nodes: int, max_depth: i
     return tree, probs
 
 
-def chain_first(tree: DraftTree, probs: list[float], chain: list[int]) -> tuple[DraftTree, list[float]]:
+def chain_first(tree: DraftTree, probs: list[float], chain: list[int]) -> DraftTree:
     """The tree reordered with the proposer's own chain first (the part a node budget left out added
-    back, at its last node's probability), then the other nodes in their order (best first)."""
+    back, at its last node's probability), then the other nodes in their order (best first); each
+    node's probability goes with it as its chance (DraftTree.chances)."""
     tree, probs = DraftTree(list(tree.tokens), list(tree.parents), list(tree.q)), list(probs)
     path, node = [], -1
     for token in chain:
@@ -161,21 +162,21 @@ def chain_first(tree: DraftTree, probs: list[float], chain: list[int]) -> tuple[
     on_path = set(path)
     order = path + [i for i in range(len(tree)) if i not in on_path]
     tree.chances = probs
-    return tree.subtree_in_order(order, len(path)), [probs[i] for i in order]
+    return tree.subtree_in_order(order, len(path))
 
 
-def cut(tree: DraftTree, probs: list[float], chain_length: int, max_nodes: int, p_min: float) -> DraftTree:
+def cut(tree: DraftTree, chain_length: int, max_nodes: int, p_min: float) -> DraftTree:
     """A chain-first tree cut to the plan: the first chain_length nodes of its chain (the chain the
     proposer drafts for the plan, its confidence stop applied), then the other nodes, in their order,
     whose probability clears p_min and whose parent is kept, up to max_nodes in all. Alternatives are
     added only where they pay: p_min is the break-even chance of an alternative's row (the plan's
-    tree_p_min)."""
+    tree_p_min). A node's probability is its chance (chain_first)."""
     chain = min(chain_length, tree.chain, max_nodes)
     keep, kept = list(range(chain)), set(range(chain))
     for i in range(tree.chain, len(tree)):
         if len(keep) >= max_nodes:
             break
-        if probs[i] >= p_min and (tree.parents[i] < 0 or tree.parents[i] in kept):
+        if tree.chances[i] >= p_min and (tree.parents[i] < 0 or tree.parents[i] in kept):
             keep.append(i)
             kept.add(i)
     return tree.subtree_in_order(sorted(keep), chain)
@@ -187,14 +188,13 @@ class BuiltTrees:
     plan (cut: the chain to the plan's k, alternatives within its slots), in the same step."""
 
     def __init__(self):
-        self._built: dict[str, tuple[int, DraftTree, list[float]]] = {}   # request id -> (num_tokens, tree, probs)
+        self._built: dict[str, tuple[int, DraftTree]] = {}   # request id -> (num_tokens, tree)
 
     def offer(self, request, chain: list[int], max_nodes: int, build) -> int:
         """What max_drafts answers: the chain's length. When max_nodes leaves room past the chain, the
         tree build() returns (tree, probs) is kept for this step, the chain first (chain_first)."""
         if max_nodes > len(chain) > 0:
-            tree, probs = chain_first(*build(), chain)
-            self._built[request.request_id] = (request.num_tokens, tree, probs)
+            self._built[request.request_id] = (request.num_tokens, chain_first(*build(), chain))
         else:
             self.forget(request.request_id)
         return len(chain)
@@ -212,7 +212,7 @@ class BuiltTrees:
             built, tree = self._built.get(job.request.request_id), None
             tokens = chain(job)
             if job.wants_tree and built is not None and built[0] == job.request.num_tokens:
-                tree = cut(built[1], built[2], len(tokens), job.num_lookahead, job.tree_p_min)
+                tree = cut(built[1], len(tokens), job.num_lookahead, job.tree_p_min)
                 tokens = tree.tokens
             drafts.append(tokens)
             trees.append(None if tree is None or tree.is_chain else tree)
