@@ -207,8 +207,7 @@ class AttentionMetadata:
         `window` or more positions before its own (its depth's position, not its slot's)."""
         positions = np.zeros((self.num_seqs, self.max_query_len), dtype=np.int64)   # padding rows: 0, key 0 kept
         for b, (tree, q_len, s_len) in enumerate(zip(tree_masks, query_lens, seq_lens)):
-            positions[b, :q_len] = np.arange(s_len - q_len, s_len) if tree is None else \
-                s_len - tree.shape[1] + tree.sum(axis=1) - 1
+            positions[b, :q_len] = fed_positions(tree, q_len, s_len)
         keys = torch.arange(self.attn_mask.shape[-1], device=self.attn_mask.device)
         in_window = keys > torch.from_numpy(positions - window).to(keys.device)[:, None, :, None]
         return replace(self, attn_mask=self.attn_mask & in_window, sliding_window=window, windowed=None,
@@ -396,6 +395,14 @@ def check_tree_mask(tree: np.ndarray | None, q_len: int, s_len: int, b: int) -> 
                                  and tree[:, -q_len:].diagonal().all()):
         raise ValueError(f"tree mask {b}: [{q_len}, cols] with {q_len} <= cols <= {MAX_TREE_COLS} in which each "
                          "fed token sees itself")
+
+
+def fed_positions(tree: np.ndarray | None, q_len: int, s_len: int) -> np.ndarray:
+    """The positions of a sequence's q_len fed tokens, the last of its s_len: consecutive, or in a
+    tree the tree's first position plus each token's depth (the tree positions it sees, less one)."""
+    if tree is None:
+        return np.arange(s_len - q_len, s_len)
+    return s_len - tree.shape[1] + tree.sum(axis=1) - 1
 
 
 def row_tree_bits(tree: np.ndarray | None, q_len: int) -> np.ndarray:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention_metadata import fed_positions
 from engine.decode_grid import DecodeGrid
 
 
@@ -32,13 +33,8 @@ class ForwardItem:
     tree_mask: np.ndarray | None = None
 
     def positions(self) -> np.ndarray:
-        """Each fed token's position: consecutive, or in a tree the tree's first position plus its
-        depth (the tree positions it sees, less one)."""
-        num_tokens = len(self.token_ids)
-        if self.tree_mask is None:
-            return np.arange(self.start_pos, self.start_pos + num_tokens)
-        tree_start = self.start_pos + num_tokens - self.tree_mask.shape[1]
-        return tree_start + self.tree_mask.sum(axis=1) - 1
+        """Each fed token's position (attention_metadata.fed_positions)."""
+        return fed_positions(self.tree_mask, len(self.token_ids), self.start_pos + len(self.token_ids))
 
 
 class ModelRunner:
