@@ -229,11 +229,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
         head = _prepared(load_eagle_head(spec.head, target_model, dtype, device), dtype, device, quantization)
+    verify_rows = 1 + max(spec.gamma, spec.tree_nodes)   # one request's largest pass: its last token and drafts
     if tp is None:   # a shard keeps plain linears: the parallel ones communicate, packed ones would not
-        # One request's verification pass (its last token and its largest chain or tree) computes each row
-        # as a decode step would: greedy speculation at one stream gives plain decoding's tokens.
-        exact_rows = max(BLOCKED_ROWS, 1 + max(spec.gamma, spec.tree_nodes))
-        target_model = _prepared(target_model, dtype, device, quantization, exact_rows)
+        # One request's verification pass computes each row as a decode step would: greedy speculation
+        # at one stream gives plain decoding's tokens.
+        target_model = _prepared(target_model, dtype, device, quantization, max(BLOCKED_ROWS, verify_rows))
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(shard_config(hf_config, config.tensor_parallel_size),
                                                      block_size, dtype)
@@ -268,10 +268,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "suffix" in spec.proposers:
         proposers["suffix"] = SuffixProposer(spec.suffix_max_match, spec.suffix_cache_tokens, spec.suffix_min_prob,
                                              spec.suffix_min_score, spec.suffix_spec_factor)
-    rows = 1 + max(spec.gamma, spec.tree_nodes)   # a request's largest verification pass (a chain or a tree)
-    grids = {target: rows}
+    grids = {target: verify_rows}
     if "draft" in proposers:
-        grids[proposers["draft"].runner] = rows   # drafting passes (a tree's levels), and catch-ups
+        grids[proposers["draft"].runner] = verify_rows   # drafting passes (a tree's levels), and catch-ups
     _decode_grids(config, device, grids, blocks_per_seq)
     router = Router(proposers, hf_config.vocab_size)
     costs = StepCosts()
