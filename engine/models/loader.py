@@ -201,31 +201,21 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks:
     config = load_hf_config(path)
     model_cls = SUPPORTED_ARCHITECTURES[architecture_of(config)]
     device = torch.device(device)
-    if random_weights:
-        with torch.device("meta"):
-            model = build_sharded(config, tensor_parallel, model_cls) \
-                if tensor_parallel is not None and tensor_parallel.world_size > 1 else model_cls(config)
-        fill_random(model, dtype, device)
-        arrange_rotary_dims(model)
-        if output_tokens is not None:
-            restrict_output(model, output_tokens.to(device))
-        model.init_buffers(device, dtype)
-        return model.eval()
-    checkpoint = open_checkpoint(path)
-    if tensor_parallel is not None and tensor_parallel.world_size > 1:
-        if not isinstance(checkpoint, SafetensorsCheckpoint) or gguf_blocks or requantize or output_tokens is not None:
-            raise ValueError("tensor parallelism loads safetensors checkpoints, unquantized, whole vocabulary")
-        with torch.device("meta"):
-            model = build_sharded(config, tensor_parallel, model_cls)
-        load_weights(model, checkpoint, dtype, device, shard=shard_plan)
-        arrange_rotary_dims(model)
-        model.init_buffers(device, dtype)
-        return model.eval()
+    sharded = tensor_parallel is not None and tensor_parallel.world_size > 1
+    checkpoint = None if random_weights else open_checkpoint(path)
+    if sharded and checkpoint is not None and (not isinstance(checkpoint, SafetensorsCheckpoint) or gguf_blocks
+                                               or requantize or output_tokens is not None):
+        raise ValueError("tensor parallelism loads safetensors checkpoints, unquantized, whole vocabulary")
     with torch.device("meta"):
-        model = model_cls(config)
-    served = serve_gguf_linears(model, checkpoint, output_tokens, requantize) \
-        if requantize or (gguf_blocks and isinstance(checkpoint, GGUFCheckpoint)) else frozenset()
-    load_weights(model, checkpoint, dtype, device, served)
+        model = build_sharded(config, tensor_parallel, model_cls) if sharded else model_cls(config)
+    if checkpoint is None:
+        fill_random(model, dtype, device)
+    elif sharded:
+        load_weights(model, checkpoint, dtype, device, shard=shard_plan)
+    else:
+        served = serve_gguf_linears(model, checkpoint, output_tokens, requantize) \
+            if requantize or (gguf_blocks and isinstance(checkpoint, GGUFCheckpoint)) else frozenset()
+        load_weights(model, checkpoint, dtype, device, served)
     arrange_rotary_dims(model)
     if output_tokens is not None:
         restrict_output(model, output_tokens.to(device))
@@ -238,15 +228,14 @@ def fill_random(model: CausalLM, dtype: torch.dtype, device: torch.device, seed:
     N(0, 0.02), so activations stay in range through any depth. The costs of a shape, for benchmarks
     and device checks that cannot carry its weights."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in list(model.named_parameters()):
-        tensor = torch.empty(param.shape, dtype=dtype, device=device)
+    filled = {}
+    for name, param in model.named_parameters():
+        tensor = filled[name] = torch.empty(param.shape, dtype=dtype, device=device)
         if param.dim() == 1:
             tensor.fill_(1.0 if "norm" in name.rsplit(".", 2)[-2] else 0.0)
         else:
             tensor.normal_(0.0, 0.02, generator=generator)
-        module_name, _, leaf = name.rpartition(".")
-        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-    model.tie_weights()
+    set_parameters(model, filled)
 
 
 def restrict_output(model: CausalLM, token_ids: torch.Tensor) -> None:
@@ -394,7 +383,12 @@ def load_weights(model: CausalLM, checkpoint, dtype: torch.dtype, device: torch.
             raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.copy_(tensor)
 
-    for name, tensor in filled.items():
+    set_parameters(model, filled)
+
+
+def set_parameters(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    """The (meta) model's parameters replaced by these tensors (name -> tensor), then tied."""
+    for name, tensor in tensors.items():
         module_name, _, leaf = name.rpartition(".")
         model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     model.tie_weights()
