@@ -96,6 +96,7 @@ class DraftModelProposer:
         catch-up forward for all, then one forward per depth that feeds each chain its newest token
         and each tree its frontier (each node seeing the context and its ancestors)."""
         requests = [item.request for item in items]
+        params = [self._draft_params(r.params) for r in requests]
         drafts: list[list[int]] = [[] for _ in items]
         growths = {g: TreeGrowth(items[g].num_lookahead, items[g].k, items[g].p_min, requests[g].eos_token_ids,
                                  items[g].tree_p_min) for g in growing}
@@ -113,7 +114,7 @@ class DraftModelProposer:
         confidence, forwards, step = [1.0] * len(items), [], 0   # forwards: each draft step, timed
         while True:
             if active:
-                self._extend_chains(chain_logits, items, active, drafts, confidence, step, draft_probs)
+                self._extend_chains(chain_logits, requests, params, active, drafts, confidence, step, draft_probs)
             if feeding:
                 self._expand_trees(tree_logits, [requests[g] for g in feeding], [growths[g] for g in feeding])
             # The .tolist() calls of the choices waited for the device: the step is over.
@@ -134,13 +135,12 @@ class DraftModelProposer:
             drafts[g], trees[g] = tree.tokens, None if tree.is_chain else tree
         return Proposal(drafts, draft_probs, forwards, trees if any(t is not None for t in trees) else None)
 
-    def _extend_chains(self, logits: torch.Tensor, items: list[DraftJob], active: list[int],
+    def _extend_chains(self, logits: torch.Tensor, requests: list[Request], params: list, active: list[int],
                        drafts: list[list[int]], confidence: list[float], step: int,
                        draft_probs: torch.Tensor | None) -> None:
         """Each active chain's next draft token from its row of logits (its grammar's mask applied),
-        and the draft's confidence in it."""
-        requests = [items[a].request for a in active]
-        params = [self._draft_params(r.params) for r in requests]
+        and the draft's confidence in it. requests, params: every job's (its draft sampling settings)."""
+        requests, params = [requests[a] for a in active], [params[a] for a in active]
         _mask_by_grammar(logits, requests, [drafts[a] for a in active])
         if all(p.greedy for p in params):
             tokens, own = greedy_choice(logits)
