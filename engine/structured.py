@@ -16,8 +16,11 @@ Grammars are llguidance's (MIT; what llama.cpp and vLLM offer): an Earley parser
 tokenizer's byte strings that computes masks lazily, with rollback, its work per mask bounded by its
 parser limits ("fuel"). Grammars are built off the engine loop: a constrained request waits in the
 GrammarQueue while a worker thread compiles its spec (grammar strings are cached per spec) and builds
-its matcher; one that fails, or takes longer than GRAMMAR_COMPILE_TIMEOUT, ends with an error naming
-the problem, and the other requests are served meanwhile.
+its matcher; one that fails, or is not ready GRAMMAR_COMPILE_TIMEOUT after it was queued, ends with an
+error naming the problem, and the other requests are served meanwhile. An aborted request's compile
+that has not started never runs. A compile that has started cannot be stopped from outside, but
+llguidance's parser limits (fuel, lexer states, grammar size) end even a pathological one, so no
+grammar holds a worker for long.
 
 Bookkeeping and masks only: no model code here.
 """
@@ -145,18 +148,20 @@ class CompileStats:
 
 
 class GrammarQueue:
-    """Constrained requests waiting for their matcher, built on worker threads so that a slow compile
-    never holds up the engine's loop (the requests already running go on). The loop calls ready() each
-    step and schedules what it returns; a compile that fails or passes GRAMMAR_COMPILE_TIMEOUT (counted
-    from its start: the one-off build of llguidance's tokenizer view before it does not count) fails
-    its request."""
+    """Constrained requests waiting for their matcher, built on a few worker threads so that a slow
+    compile never holds up the engine's loop (the requests already running go on). The loop calls
+    ready() each step and schedules what it returns. A request whose matcher is not ready `timeout`
+    seconds after it was queued fails, whether its compile is running or still waiting for a worker;
+    the clock starts no earlier than the one-off build of llguidance's tokenizer view, which is the
+    engine's cost, not the grammar's."""
 
     def __init__(self, compiler: GrammarCompiler, timeout: float = GRAMMAR_COMPILE_TIMEOUT, workers: int = 2):
         self.compiler, self.timeout = compiler, timeout
         self._executor: ThreadPoolExecutor | None = None   # started on the first constrained request
         self._workers = workers
         self._pending: dict[str, tuple[object, Future]] = {}   # request id -> (request, future)
-        self._started: dict[str, float] = {}                  # request id -> when its compile began
+        self._queued_at: dict[str, float] = {}                # request id -> when it joined the queue
+        self._tokenizer_ready_at: float | None = None        # when llguidance's tokenizer view was built
         self.stats = CompileStats()
 
     def __len__(self) -> int:
@@ -165,12 +170,15 @@ class GrammarQueue:
     def submit(self, request, spec: StructuredOutput) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="grammar")
-        future = self._executor.submit(self._compile, request.request_id, spec)
+        self._queued_at[request.request_id] = time.monotonic()
+        future = self._executor.submit(self._compile, spec)
         self._pending[request.request_id] = (request, future)
 
-    def _compile(self, request_id: str, spec: StructuredOutput) -> tuple["GrammarState", float, bool]:
-        self.compiler.tokenizer   # built once per engine (seconds), before the clock starts
-        started = self._started[request_id] = time.monotonic()
+    def _compile(self, spec: StructuredOutput) -> tuple["GrammarState", float, bool]:
+        self.compiler.tokenizer   # built once per engine (seconds), before any deadline counts
+        if self._tokenizer_ready_at is None:
+            self._tokenizer_ready_at = time.monotonic()
+        started = time.monotonic()
         hits = _grammar.cache_info().hits
         state = self.compiler.state(spec)
         cached = _grammar.cache_info().hits > hits
@@ -182,10 +190,9 @@ class GrammarQueue:
 
     def ready(self) -> tuple[list, list[tuple[object, str]]]:
         """Requests whose matcher is built (request.grammar set), and (request, error) for those whose
-        compile failed or timed out; both leave the queue."""
-        done, failed, now = [], [], time.monotonic()
+        compile failed or missed its deadline; both leave the queue."""
+        done, failed = [], []
         for request_id, (request, future) in list(self._pending.items()):
-            started = self._started.get(request_id)
             if future.done():
                 error = future.exception()
                 if error is None:
@@ -196,13 +203,18 @@ class GrammarQueue:
                 else:
                     failed.append((request, str(error) if isinstance(error, ValueError) else
                                    f"{type(error).__name__}: {error}"))
-            elif started is not None and now - started > self.timeout:
+            elif self._past_deadline(request_id):
                 kind = request.params.structured.kind
                 failed.append((request, f"{kind}: the grammar did not compile within {self.timeout:g} s"))
             else:
                 continue
             self.discard(request_id)
         return done, failed
+
+    def _past_deadline(self, request_id: str) -> bool:
+        if self._tokenizer_ready_at is None:   # the first compile is still building the tokenizer view
+            return False
+        return time.monotonic() - max(self._queued_at[request_id], self._tokenizer_ready_at) > self.timeout
 
     def wait(self, timeout: float) -> None:
         """Until a compile ends, for at most `timeout` seconds (at once when none is pending)."""
@@ -211,9 +223,14 @@ class GrammarQueue:
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     def discard(self, request_id: str) -> bool:
-        """Forget a waiting request (aborted); False when it was not waiting here."""
-        self._started.pop(request_id, None)
-        return self._pending.pop(request_id, None) is not None
+        """Forget a waiting request (aborted, failed or ready); a compile not yet started is cancelled,
+        so it never runs. False when it was not waiting here."""
+        self._queued_at.pop(request_id, None)
+        request, future = self._pending.pop(request_id, (None, None))
+        if future is None:
+            return False
+        future.cancel()
+        return True
 
     def drain_stats(self) -> CompileStats:
         stats, self.stats = self.stats, CompileStats()

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
@@ -27,6 +28,8 @@ from server.tools import choose_parser, template_renders_tools
 from engine.tokenizer import TextStream, TokenStrings
 
 logger = logging.getLogger("specserve.server")
+# Grammar checks run here, not in the default executor that other blocking work shares.
+_GRAMMAR_CHECKS = ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
 
 
 def server_error(exc: Exception) -> p.APIError:
@@ -142,13 +145,15 @@ class Server:
         return choices
 
     async def compile_grammar(self, spec: StructuredOutput | None, param: str) -> None:
-        """Compile a structured output's grammar (cached per spec) on a worker thread, so that a slow
-        one holds up no other request: one that does not compile, or not within
-        GRAMMAR_COMPILE_TIMEOUT, is a 400 naming `param`."""
+        """Compile a structured output's grammar (cached per spec) on one of a few threads of its own,
+        so that a slow one holds up no other request and a flood of them no other thread-pool work:
+        one that does not compile, or not within GRAMMAR_COMPILE_TIMEOUT of its arrival, is a 400
+        naming `param` (a check still queued then is cancelled, never run)."""
         if spec is None:
             return
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(asyncio.to_thread(spec.grammar), GRAMMAR_COMPILE_TIMEOUT)
+            await asyncio.wait_for(loop.run_in_executor(_GRAMMAR_CHECKS, spec.grammar), GRAMMAR_COMPILE_TIMEOUT)
         except ValueError as exc:
             raise p.APIError(400, f"{param}: {exc}", param=param) from None
         except TimeoutError:

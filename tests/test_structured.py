@@ -156,6 +156,79 @@ def test_a_slow_compile_holds_up_no_other_request_and_times_out(plain, monkeypat
     release.set()
 
 
+def one_worker_queue(engine, monkeypatch, timeout: float = 10.0):
+    """The engine's grammar queue replaced by a one-worker one whose first regex compile blocks until
+    released; returns (queue, release, the kinds whose compile ran, in order)."""
+    import threading
+
+    from engine.structured import GrammarQueue
+
+    queue = GrammarQueue(engine.grammars.compiler, timeout=timeout, workers=1)
+    monkeypatch.setattr(engine, "grammars", queue)
+    release, compiled = threading.Event(), []
+    real_state = queue.compiler.state
+
+    def recording_state(spec):
+        compiled.append(spec.kind)
+        if spec.kind == "regex":
+            release.wait(30)
+        return real_state(spec)
+
+    monkeypatch.setattr(queue.compiler, "state", recording_state)
+    return queue, release, compiled
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_an_aborted_requests_queued_compile_never_runs(plain, monkeypatch):
+    """A request aborted while its grammar waits for a worker: its compile is cancelled, not run; the
+    request before it and the engine go on."""
+    engine = plain.engine
+    queue, release, compiled = one_worker_queue(engine, monkeypatch)
+    engine.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, structured=SPECS["regex"]))
+    engine.add_request("aborted", [5, 6], SamplingParams(max_tokens=4, structured=SPECS["choice"]))
+    wait_for(lambda: compiled == ["regex"])   # the only worker is busy: "aborted" waits in the queue
+    assert engine.abort_request("aborted") is not None and len(queue) == 1
+    release.set()
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert compiled == ["regex"], compiled
+    assert set(finals) == {"busy"} and finals["busy"].error is None
+    out = plain.generate(["hi"], SamplingParams(max_tokens=20, temperature=0.0, structured=SPECS["choice"]))[0]
+    assert out.text in ("yes please", "no thanks", "maybe") and compiled == ["regex", "choice"]
+
+
+def test_a_queued_compiles_deadline_counts_from_submission(plain, monkeypatch):
+    """A compile that waits for a worker past the queue's timeout fails its request then, without ever
+    running; so does the compile that held the worker too long. The engine serves the next request."""
+    import time
+
+    engine = plain.engine
+    queue, release, compiled = one_worker_queue(engine, monkeypatch, timeout=0.5)
+    engine.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=4, structured=SPECS["regex"]))
+    wait_for(lambda: compiled == ["regex"])
+    submitted = time.monotonic()
+    engine.add_request("queued", [5, 6], SamplingParams(max_tokens=4, structured=SPECS["choice"]))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    waited = time.monotonic() - submitted
+    assert {r: o.finish_reason for r, o in finals.items()} == {"stuck": "error", "queued": "error"}
+    assert "did not compile within 0.5 s" in finals["queued"].error and 0.5 <= waited < 5, waited
+    assert compiled == ["regex"] and not release.is_set()   # failed while the worker still held the first
+    release.set()
+    out = plain.generate(["hi"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) >= 4
+
+
 def test_bad_specs_are_errors_naming_the_problem():
     with pytest.raises(ValueError, match="kind must be one of"):
         StructuredOutput("xml", "")
