@@ -157,6 +157,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    share_caches_across_tenants: bool = False   # one prefix cache and suffix cache for every tenant (API key)
     seed: int = 0
     max_step_failures: int = 5            # steps in a row failing every request in them: the engine is dead
     cuda_graphs: bool = False             # decode and verification passes replayed as CUDA graphs (GPU only)

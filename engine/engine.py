@@ -34,10 +34,13 @@ class ContextLengthError(ValueError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine cannot go on (the device failed, or max_step_failures steps in a row failed for
-    every request in them), or its loop has stopped: no request can be served. The process should
-    exit so that its orchestrator restarts it."""
+    """The engine cannot go on (the device failed, or max_step_failures steps in a row failed and
+    so did the canary pass after each), or its loop has stopped: no request can be served. The
+    process should exit so that its orchestrator restarts it."""
 
+
+# The canary pass's prompt: token ids every vocabulary has.
+CANARY_PROMPT = (0, 1, 2, 3)
 
 # Errors after which the device's state is unknown (CUDA's sticky errors): nothing on it is retried.
 DEVICE_ERROR_MARKS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "illegal memory access",
@@ -76,7 +79,7 @@ class Engine:
         self.num_steps = 0
         self.totals = SpecTotals()
         self._next_seed = config.seed
-        self.num_failed_steps = 0   # consecutive steps in which every request failed
+        self.num_failed_steps = 0   # consecutive failed steps whose canary pass failed too
         # structured outputs: constrained requests wait here while their grammar compiles
         self.grammars = GrammarQueue(GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids))
 
@@ -112,6 +115,7 @@ class Engine:
             params=params, arrival_time=time.monotonic(), generator=self._generator(params),
             noise=PositionalNoise(params.seed, self.vocab_size, self.device) if self._seeded(params) else None,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            tenant=None if self.config.share_caches_across_tenants else params.tenant,
         )
         if params.structured is None:
             self.scheduler.add(request)
@@ -119,6 +123,9 @@ class Engine:
             self.grammars.submit(request, params.structured)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A ValueError for a prompt or settings this model cannot take; its message starts with the
+        field at fault (the server's 400 names it)."""
+        self._check_vocabulary_fields(params)
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty: at least one token is needed")
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
@@ -129,6 +136,16 @@ class Engine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{len(prompt_token_ids)} tokens and max_tokens is {params.max_tokens} "
                 f"({len(prompt_token_ids) + params.max_tokens} in all)")
+
+    def _check_vocabulary_fields(self, params: SamplingParams) -> None:
+        """The settings SamplingParams cannot bound alone: they are token ids or counts of this vocabulary."""
+        if params.top_k > self.vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size, {self.vocab_size} (-1 or 0: no top-k), "
+                             f"got {params.top_k}")
+        outside = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if outside is not None:
+            raise ValueError(f"stop_token_ids must be token ids of the vocabulary (0..{self.vocab_size - 1}), "
+                             f"got {outside}")
 
     @staticmethod
     def _seeded(params: SamplingParams) -> bool:
@@ -180,7 +197,7 @@ class Engine:
         try:
             passed = self._forward(batch, plan)
         except Exception as exc:  # one bad request must not fail the batch, nor take the server down
-            return self._isolate(batch, plan, exc)
+            return refused + self._isolate(batch, plan, exc)
         self.num_failed_steps = 0
         return refused + self._finish(batch, plan, *passed, started=started)
 
@@ -257,35 +274,65 @@ class Engine:
         return (0.0, 0) if tree is None else tree.alternatives(result.tree_paths.get(i, []))
 
     def _isolate(self, batch: SchedulerOutput, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
-        """A failed pass is rerun request by request: only a request that fails alone is failed
-        (finish_reason "error"). A device error, or max_step_failures steps in a row in which every
-        request failed, is fatal: EngineDeadError. The reruns teach the policy what their drafts
-        were worth, but not the cost tables: their timings are not those of the planned step.
-        (The step metrics then see the last rerun only.)"""
+        """Judge a failed pass: the engine's fault or a request's. A device error is fatal
+        (EngineDeadError). Otherwise the canary, a pass of the engine's own, decides: when it fails
+        too, the engine is at fault, the step counts as failed (max_step_failures in a row are
+        fatal) and its requests stay as they were, to run in the next step; when it passes, the
+        failure is a request's, found by bisection (_bisect), and never counts against the engine."""
         self._check_device(exc)
         logger.error("an engine step of %d requests failed: %s: %s", len(batch.scheduled), type(exc).__name__, exc,
                      exc_info=exc)
-        if len(batch.scheduled) == 1:
-            outputs, num_failed = self._fail(batch.scheduled, exc), 1
-        else:
-            outputs, num_failed = [], 0
-            for i, item in enumerate(batch.scheduled):
-                single = SchedulerOutput([item], batch.preempted if i == 0 else [])
-                try:
-                    passed = self._forward(single, plan)
-                except Exception as alone:
-                    self._check_device(alone)
-                    logger.error("request %s failed alone: %s: %s", item.request.request_id, type(alone).__name__,
-                                 alone)
-                    outputs += self._fail([item], alone)
-                    num_failed += 1
-                else:
-                    outputs += self._finish(single, plan, *passed)
-        self.num_failed_steps = self.num_failed_steps + 1 if num_failed == len(batch.scheduled) else 0
+        if self._canary_passes():
+            self.num_failed_steps = 0
+            return self._bisect(batch.scheduled, batch.preempted, plan, exc)
+        self.num_failed_steps += 1
         if self.num_failed_steps >= self.config.max_step_failures:
-            raise EngineDeadError(f"{self.num_failed_steps} engine steps in a row failed every request in them; "
-                                  f"the last error: {type(exc).__name__}: {exc}") from exc
+            raise EngineDeadError(f"{self.num_failed_steps} engine steps in a row failed, and so did a pass of the "
+                                  f"engine's own after each; the last error: {type(exc).__name__}: {exc}") from exc
+        return []
+
+    def _bisect(self, items: list[ScheduledRequest], preempted: list[Request], plan: StepPlan, exc: Exception
+                ) -> list[RequestOutput]:
+        """Rerun the requests of a failed pass in halves: a half that passes is done, one that fails is
+        halved again, and a request that fails alone is failed (finish_reason "error"). One bad request
+        among n costs about 2 log2(n) passes, and nobody is rerun once they pass. The reruns teach the
+        policy what their drafts were worth, but not the cost tables: their timings are not those of
+        the planned step. (The step metrics then see the last rerun only.)"""
+        if len(items) == 1:
+            logger.error("request %s failed alone: %s: %s", items[0].request.request_id, type(exc).__name__, exc)
+            return self._fail(items, exc)
+        half = len(items) // 2
+        outputs = []
+        for part, part_preempted in ((items[:half], preempted), (items[half:], [])):
+            rerun = SchedulerOutput(part, part_preempted)
+            try:
+                passed = self._forward(rerun, plan)
+            except Exception as failed:
+                self._check_device(failed)
+                outputs += self._bisect(part, part_preempted, plan, failed)
+            else:
+                outputs += self._finish(rerun, plan, *passed)
         return outputs
+
+    def _canary_passes(self) -> bool:
+        """One greedy target pass over a fixed short prompt, in blocks of its own that are freed after
+        and never published: the engine's health, judged apart from any request. Without a free block
+        it cannot run, and blames no one: the failure is then judged as a request's."""
+        canary = Request(request_id="canary", token_ids=list(CANARY_PROMPT), num_prompt_tokens=len(CANARY_PROMPT),
+                         params=SamplingParams(max_tokens=1, temperature=0.0), arrival_time=time.monotonic(),
+                         generator=None)
+        if not self.pool.allocate(canary.block_table, canary.num_tokens):
+            logger.warning("no free KV block for the canary pass: the failed step is judged by its requests alone")
+            return True
+        try:
+            verify(self.target, [ScheduledRequest.of(canary, canary.num_tokens)], Proposal.empty(1))
+            return True
+        except Exception as exc:
+            self._check_device(exc)
+            logger.error("the canary pass failed too: %s: %s", type(exc).__name__, exc)
+            return False
+        finally:
+            self.pool.free(canary.block_table)
 
     def check_alive(self) -> None:
         """EngineDeadError when a part of the engine in another process (a tensor-parallel worker) has
@@ -450,7 +497,7 @@ class Engine:
         # Target KV only: a request that reuses a cached prefix starts its draft's cache empty. A stop
         # inside an accepted run leaves computed positions past the last kept token: those are not final.
         self.pool.cache_full_blocks(request.block_table, request.block_hashes, request.token_ids,
-                                    min(request.num_computed_tokens, request.num_tokens))
+                                    min(request.num_computed_tokens, request.num_tokens), request.tenant)
 
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         prompt_logprobs = None

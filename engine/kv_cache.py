@@ -11,6 +11,11 @@ parent hash and tokens, so even a hash collision can never hand one request
 another's KV (the class of vLLM's CVE-2025-25183, where Python's hash() over
 tuples could be made to collide).
 
+A request's chain starts from its tenant's root (chain_root): the first block's
+hash, and so every hash after it, depends on the tenant, so no block one tenant
+computed ever matches another tenant's prefix, and whether a prompt hits the
+cache says nothing about other tenants' prompts.
+
 Reuse order of free blocks: blocks that hold nothing reusable (never published,
 trimmed draft slots) are taken first, cached blocks last and least recently
 freed first, so speculation's churn never evicts a cached prefix.
@@ -33,6 +38,12 @@ BlockHash = bytes
 def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     """sha256 of a full block's tokens and its parent's hash: equal hashes mean equal prefixes."""
     return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
+
+
+def chain_root(tenant: str | None) -> BlockHash | None:
+    """The parent of a request's first block: None for the common partition (no tenant), else a
+    digest of the tenant's name, which no chain_hash can equal without a sha256 collision."""
+    return None if tenant is None else hashlib.sha256(b"specserve tenant\0" + tenant.encode()).digest()
 
 
 class BlockPool:
@@ -63,14 +74,14 @@ class BlockPool:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix reuse --------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks holding the longest full-block prefix of token_ids.
+    def match_prefix(self, token_ids: Sequence[int], tenant: str | None = None) -> list[int]:
+        """Cached blocks holding the longest full-block prefix of token_ids in tenant's chains.
 
         The last token is never matched: the model must compute at least one
         token to produce the next token's logits."""
         if not self.enable_prefix_caching:
             return []
-        blocks, parent = [], None
+        blocks, parent = [], chain_root(tenant)
         for start in range(0, len(token_ids) - self.block_size, self.block_size):
             tokens = tuple(token_ids[start:start + self.block_size])
             h = chain_hash(parent, tokens)
@@ -118,16 +129,16 @@ class BlockPool:
 
     # ---- publishing finished blocks -----------------------------------
     def cache_full_blocks(self, block_table: list[int], block_hashes: list[BlockHash],
-                          token_ids: Sequence[int], num_final_tokens: int) -> None:
+                          token_ids: Sequence[int], num_final_tokens: int, tenant: str | None = None) -> None:
         """Hash and publish blocks whose tokens are all final (computed and accepted).
 
-        block_hashes is the request's own chain, extended in place."""
+        block_hashes is the request's own chain (rooted at its tenant's chain_root), extended in place."""
         if not self.enable_prefix_caching:
             return
         num_full = min(num_final_tokens // self.block_size, len(block_table))
         while len(block_hashes) < num_full:
             i = len(block_hashes)
-            parent = block_hashes[-1] if block_hashes else None
+            parent = block_hashes[-1] if block_hashes else chain_root(tenant)
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
             block_hashes.append(h)

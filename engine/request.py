@@ -29,6 +29,9 @@ class Request:
     noise: PositionalNoise | None = None  # seeded sampled requests: noise keyed by output position
     eos_token_ids: frozenset[int] = frozenset()
     grammar: GrammarState | None = None  # structured output: where the output stands in its grammar
+    # Whose cached prefix blocks and suffix-cache outputs this request may read and adds to: its
+    # params.tenant, or None (the common partition) where the engine shares them across tenants.
+    tenant: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     # KV bookkeeping. The last token is never in the cache while decoding: the next
     # forward pass feeds it (plus any draft tokens).

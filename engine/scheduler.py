@@ -147,7 +147,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if not request.block_table and not request.wants_prompt_logprobs:
-                cached = self.pool.match_prefix(request.token_ids)
+                cached = self.pool.match_prefix(request.token_ids, request.tenant)
                 self.pool.take(cached)
                 request.block_table.extend(cached)
                 request.num_computed_tokens = len(cached) * self.pool.block_size

@@ -111,16 +111,17 @@ def test_eviction_keeps_the_cache_within_its_cap_under_endless_load():
     rng = random.Random(1)
     cache = SharedSuffixCache(max_tokens=500)
     for i in range(400):
-        cache.add([rng.randrange(50) for _ in range(rng.randrange(1, 120))])
+        cache.add(None, [rng.randrange(50) for _ in range(rng.randrange(1, 120))])
         assert cache.num_tokens <= 500
-        entries = sum(len(p) for p in cache.index.ends.values())
+        entries = sum(len(p) for p in cache.index(None).ends.values())
         assert entries <= 3 * cache.num_tokens   # one entry per q-gram end: memory is O(cap)
     # what is left is exactly the newest documents: an index built from them alone has the same entries
-    kept = [cache.index.tokens[s - cache.index.base:e - cache.index.base]
-            for s, e in zip([cache.index.base] + cache.index.doc_ends[:-1], cache.index.doc_ends)]
+    index = cache.index(None)
+    kept = [index.tokens[s - index.base:e - index.base] for s, e in zip([index.base] + index.doc_ends[:-1],
+                                                                        index.doc_ends)]
     fresh = index_of(*kept)
     assert {k: list(v) for k, v in fresh.ends.items()} == \
-        {k: [p - cache.index.base for p in v] for k, v in cache.index.ends.items()}
+        {k: [p - index.base for p in v] for k, v in index.ends.items()}
 
 
 def test_updates_are_incremental():

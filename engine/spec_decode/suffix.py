@@ -3,8 +3,10 @@
 Two indexes answer the same question, "where did the last tokens of this context occur before, and
 what came next?":
 - each request's own index over its prompt and output so far;
-- one shared index over the outputs of recent requests (tool calls, JSON, code an agent loop writes
-  again and again), capped in tokens; the oldest outputs are evicted first.
+- one shared cache of the outputs of recent requests (tool calls, JSON, code an agent loop writes
+  again and again), capped in tokens; the oldest outputs are evicted first. It keeps one index per
+  tenant (Request.tenant): a request drafts only from its own tenant's outputs, so the drafts it is
+  offered, and the `speculative` counters a response carries, say nothing about another tenant's.
 
 An index maps every q-gram (q = 1..Q) to the newest MAX_CANDIDATES positions where it ends, so an
 update costs O(Q) per new token (never a rebuild), memory is O(Q) per token, and eviction takes a
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from bisect import bisect_right
+from collections import deque
 from dataclasses import dataclass
 
 from engine.request import Request
@@ -194,24 +197,43 @@ class SuffixIndex:
 
 
 class SharedSuffixCache:
-    """Outputs of recent requests, each a document, within a cap in tokens (oldest evicted first)."""
+    """Outputs of recent requests, each a document in its tenant's index, within one cap in tokens over
+    all tenants. The oldest document of any tenant is evicted first, and a tenant whose documents are
+    all gone loses its index: a flood of tenants costs no more memory than one tenant's traffic."""
 
     def __init__(self, max_tokens: int, max_q: int = 3):
         self.max_tokens = max_tokens
-        self.index = SuffixIndex(max_q)
+        self.max_q = max_q
+        self.indexes: dict[str | None, SuffixIndex] = {}
+        self.document_tenants: deque[str | None] = deque()   # the tenant of every document, oldest first
+        self.num_tokens = 0
+        self._nothing = SuffixIndex(max_q)   # what a tenant without outputs here drafts from
 
-    def add(self, token_ids: list[int]) -> None:
+    def index(self, tenant: str | None) -> SuffixIndex:
+        """The tenant's outputs (read only: add() writes them)."""
+        return self.indexes.get(tenant, self._nothing)
+
+    def add(self, tenant: str | None, token_ids: list[int]) -> None:
         if not token_ids or self.max_tokens <= 0:
             return
         token_ids = token_ids[-self.max_tokens:]
-        while self.index.doc_ends and len(self.index) + len(token_ids) > self.max_tokens:
-            self.index.evict_oldest()
-        self.index.extend(token_ids)
-        self.index.close_document()
+        while self.document_tenants and self.num_tokens + len(token_ids) > self.max_tokens:
+            self._evict_oldest()
+        index = self.indexes.get(tenant)
+        if index is None:
+            index = self.indexes[tenant] = SuffixIndex(self.max_q)
+        index.extend(token_ids)
+        index.close_document()
+        self.document_tenants.append(tenant)
+        self.num_tokens += len(token_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.index)
+    def _evict_oldest(self) -> None:
+        """A tenant's documents are in the order they were added, so its oldest is the oldest overall."""
+        tenant = self.document_tenants.popleft()
+        index = self.indexes[tenant]
+        self.num_tokens -= index.evict_oldest()
+        if not index.doc_ends:
+            del self.indexes[tenant]
 
 
 class SuffixProposer:
@@ -224,7 +246,8 @@ class SuffixProposer:
         self.spec_factor = spec_factor
         self.max_q = max_q
         self.shared = SharedSuffixCache(cache_tokens, max_q)
-        self._own: dict[str, tuple[SuffixIndex, int]] = {}          # request id -> (its index, prompt length)
+        # request id -> (its own index, its prompt length, its tenant)
+        self._own: dict[str, tuple[SuffixIndex, int, str | None]] = {}
         self._drafts: dict[str, tuple[int, int, SuffixDraft]] = {}  # request id -> (num_tokens, k, draft) this step
         self.trees = BuiltTrees()
 
@@ -238,7 +261,7 @@ class SuffixProposer:
 
     def _tree(self, request: Request, chain: SuffixDraft, max_nodes: int, max_depth: int):
         """A draft tree of the continuations in the index the chain came from."""
-        index = self.shared.index if chain.shared else self._index(request)
+        index = self.shared.index(request.tenant) if chain.shared else self._index(request)
         return index.lookup_tree(request.token_ids, max_nodes, max_depth, self.max_match, self.min_prob,
                                  self.spec_factor)
 
@@ -273,12 +296,12 @@ class SuffixProposer:
         self.trees.forget(request_id)
         own = self._own.pop(request_id, None)
         if own is not None:
-            index, prompt_length = own
-            self.shared.add(index.tokens[prompt_length:])
+            index, prompt_length, tenant = own
+            self.shared.add(tenant, index.tokens[prompt_length:])
 
     # ---- drafting ----------------------------------------------------------------
     def draft(self, request: Request, k: int) -> SuffixDraft:
-        """The better of the request's own and the shared index's drafts (cached for this step)."""
+        """The better of the request's own and its tenant's shared index's drafts (cached for this step)."""
         cached = self._drafts.get(request.request_id)
         if cached is not None and cached[0] == request.num_tokens and cached[1] >= k:
             return cached[2]
@@ -287,7 +310,8 @@ class SuffixProposer:
         own = index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
         best = own
         if own.expected_accepted < k:   # else k certain tokens: the shared index could only tie, and ties go to own
-            shared = self.shared.index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
+            shared = self.shared.index(request.tenant).lookup(context, k, self.max_match, self.min_prob,
+                                                              self.spec_factor)
             shared = dataclasses.replace(shared, shared=True)
             best = max((own, shared), key=lambda d: (d.expected_accepted, d is own))
         if best.score < self.min_score:
@@ -298,7 +322,7 @@ class SuffixProposer:
     def _index(self, request: Request) -> SuffixIndex:
         own = self._own.get(request.request_id)
         if own is None:
-            own = (SuffixIndex(self.max_q), request.num_prompt_tokens)
+            own = (SuffixIndex(self.max_q), request.num_prompt_tokens, request.tenant)
             self._own[request.request_id] = own
         index = own[0]
         if len(index) < request.num_tokens:
