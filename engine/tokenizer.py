@@ -140,15 +140,28 @@ class TextStream:
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-        self.matcher = StopStringMatcher(stop)
+        self.matchers = [StopStringMatcher(stop)]
+
+    def also_stop_at(self, matcher) -> None:
+        """Another end of the text after the stop strings, with StopStringMatcher's push(text) ->
+        (text, stopped) and finish() -> text (the server's end of a turn's tool calls)."""
+        self.matchers.append(matcher)
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """(text to emit, whether a stop string ended the text here)."""
-        return self.matcher.push(self.detokenizer.push(token_id))
+        return self._through(self.detokenizer.push(token_id), final=False)
 
     def finish(self) -> tuple[str, bool]:
-        text, stopped = self.matcher.push(self.detokenizer.finish())
-        return (text, True) if stopped else (text + self.matcher.finish(), False)
+        return self._through(self.detokenizer.finish(), final=True)
+
+    def _through(self, text: str, final: bool) -> tuple[str, bool]:
+        for matcher in self.matchers:
+            text, stopped = matcher.push(text)
+            if stopped:
+                return text, True
+            if final:
+                text += matcher.finish()
+        return text, False
 
 
 class TokenStrings:

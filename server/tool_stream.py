@@ -1,13 +1,16 @@
 """Tool calls streamed as OpenAI streams them: one choice's text deltas split into content deltas and
 call deltas (a call's id and name once its arguments start, then their fragments as the model writes
-them). Pure bookkeeping on text."""
+them), and the end of a turn's calls (ToolCallStop). Pure bookkeeping on text."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 from typing import Any
 
-from server.tools import HEADER, Function, HermesParser, Llama3JsonParser, ToolCall, ToolParser, new_call_id, unquote
+from server.tools import (
+    HEADER, Function, HermesParser, Llama3JsonParser, ToolCall, ToolParser, new_call_id, partial_suffix, same_call,
+    unquote,
+)
 
 
 @dataclass(frozen=True)
@@ -26,21 +29,35 @@ class CallDelta:
 
 
 class ToolStream:
-    """One choice's streamed output split into content deltas and call deltas. A Hermes call goes out
-    as soon as its name is known, then its arguments as they come (held back only where they might
-    end); a Llama 3.1 output that may be calls is held until it ends."""
+    """One choice's streamed output split into content deltas and call deltas; what it sends joins
+    into what parser.extract gives the whole output (the same steps, the same calls).
+
+    A Hermes call goes out as soon as its name is known, then its arguments as they come (held back
+    only where they might end). A call of a function already called, which may repeat that call, a
+    bare JSON call (the lenient parser) and a Llama 3.1 output that may be calls are held until they
+    end. A call identical to an earlier one is dropped (`repeated` tells)."""
 
     def __init__(self, parser: ToolParser, functions: list[Function]):
         self.parser, self.functions = parser, functions
         self.buffer = ""        # text received and not yet sent
         self.mode = "start"     # start (nothing decided), content, call (inside a Hermes block), json (Llama 3.1)
-        self.calls: list[ToolCall] = []   # calls whose block has ended
+        self.calls: list[ToolCall] = []   # calls that have ended, each once
+        self.repeated = False             # a call repeated an earlier one
         self._open: ToolCall | None = None   # the call streaming now (its id and name), in a Hermes block
         self._args_start = self._sent = 0    # where its arguments start in the block, and how much went out
+        self._held: list[ToolCall] = []      # Llama 3.1: calls complete so far, sent when the output ends
+        self._held_end = 0                   # where they end in the buffer
+        self._space = ""                     # whitespace that goes out only if content follows it
+        self._started = False                # content has gone out
 
     @property
     def num_calls(self) -> int:
         return len(self.calls) + (self._open is not None)
+
+    @property
+    def num_complete(self) -> int:
+        """Distinct calls that have ended, sent or held."""
+        return len(self.calls) + len(self._held)
 
     def push(self, text: str) -> tuple[str, list[CallDelta]]:
         self.buffer += text
@@ -54,24 +71,37 @@ class ToolStream:
         return self._whole_output(final=True)
 
     def _hermes(self, final: bool) -> tuple[str, list[CallDelta]]:
-        start = HermesParser.START
         content, deltas = "", []
         while self.buffer:
-            if self.mode != "call":
-                at = self.buffer.find(start)
-                if at < 0:   # keep back what may be the start of a marker
-                    cut = len(self.buffer) - (0 if final else _partial_suffix(self.buffer, start))
-                    content, self.buffer = content + self.buffer[:cut], self.buffer[cut:]
+            if self.mode == "call":
+                text, closed = self._block(final, deltas)
+                content += text
+                if not closed:
                     break
-                content, self.buffer, self.mode = content + self.buffer[:at], self.buffer[at + len(start):], "call"
                 continue
-            text, closed = self._block(final, deltas)
-            content += text
-            if not closed:
+            at, kind = self.parser.next_opening(self.buffer, self.functions, final)
+            content, self.buffer = content + self.buffer[:at], self.buffer[at:]
+            if kind == "block":
+                self.buffer, self.mode = self.buffer[len(HermesParser.START):], "call"
+            elif kind == "bare":
+                done, size, call = self.parser.bare_call(self.buffer, self.functions, final)
+                if not done:
+                    break
+                content += self.buffer[:size] if call is None else ""
+                self.buffer = self.buffer[size:]
+                if call is not None:
+                    self._take(call, deltas)
+            else:
                 break
-        if self.num_calls and not content.strip():   # whitespace around calls is not content
-            content = ""
-        return content, deltas
+        return self._content(content), deltas
+
+    def _content(self, text: str) -> str:
+        """Content as extract gives it, stripped: whitespace goes out once more content follows it."""
+        text = self._space + text
+        body = text.rstrip() if self._started else text.strip()
+        self._space = text[len(text.rstrip()):]
+        self._started = self._started or bool(body)
+        return body
 
     def _block(self, final: bool, deltas: list[CallDelta]) -> tuple[str, bool]:
         """Inside a <tool_call> block (self.buffer): send what can be sent. Returns the content it
@@ -80,23 +110,22 @@ class ToolStream:
         at = self.buffer.find(end)
         body = self.buffer if at < 0 else self.buffer[:at]
         header = HEADER.match(body) if self._open is None else None
-        if header and (name := unquote(header[1])) in self._names:
+        if header and (name := unquote(header[1])) in self._names and name not in {c.name for c in self.calls}:
             self._open = ToolCall(name, "", new_call_id())
             self._args_start, self._sent = header.end(), 0
             deltas.append(CallDelta(self.num_calls - 1, "", self._open))
         if at < 0 and not final:   # the arguments so far, but for what may be their end
             if self._open is not None:
-                held = _partial_suffix(body, end)
+                held = partial_suffix(body, end)
                 ready = body[self._args_start:len(body) - held].rstrip().rstrip("}").rstrip()
                 self._send(ready, deltas)
             return "", False
         self.buffer, self.mode = ("" if at < 0 else self.buffer[at + len(end):]), "content"
         call = self.parser.parse_block(body, self.functions)
-        if self._open is None:   # the name came late, or never: the block whole, as a call or as content
+        if self._open is None:   # the name came late, or never, or may repeat: the block whole, as a call or content
             if call is None:
                 return HermesParser.START + body + ("" if at < 0 else end), True
-            self.calls.append(call)
-            deltas.append(CallDelta(self.num_calls - 1, call.arguments, call))
+            self._take(call, deltas)
             return "", True
         if call is not None and call.arguments.startswith(self._sent_text(body)):
             self._send(call.arguments, deltas)   # the rest; a block that broke down stays as it went out
@@ -104,6 +133,14 @@ class ToolStream:
                                    self._open.id))
         self._open = None
         return "", True
+
+    def _take(self, call: ToolCall, deltas: list[CallDelta]) -> None:
+        """A call that has ended, sent whole, unless it repeats an earlier one."""
+        if any(same_call(call, earlier) for earlier in self.calls):
+            self.repeated = True
+            return
+        self.calls.append(call)
+        deltas.append(CallDelta(len(self.calls) - 1, call.arguments, call))
 
     def _send(self, arguments: str, deltas: list[CallDelta]) -> None:
         if len(arguments) > self._sent:
@@ -128,19 +165,42 @@ class ToolStream:
             self.mode = "json" if maybe_call else "content"
         if self.mode == "content":
             text, self.buffer = self.buffer, ""
-            return text, []
+            return self._content(text), []
         if not final:
+            self._hold_complete_calls()
             return "", []
         content, calls = self.parser.extract(self.buffer, self.functions)
-        self.buffer = ""
+        self.buffer, self._held = "", []
         first = len(self.calls)
         self.calls += calls
         return content or "", [CallDelta(first + i, call.arguments, call) for i, call in enumerate(calls)]
 
+    def _hold_complete_calls(self) -> None:
+        """The calls complete so far (each once), for the end of the turn: they go out when the output ends."""
+        calls, self._held_end = self.parser.leading_calls(self.buffer, self.functions, self._held_end)
+        for call in calls:
+            if any(same_call(call, earlier) for earlier in self._held):
+                self.repeated = True
+            else:
+                self._held.append(call)
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of text that is a proper start of marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
+
+class ToolCallStop:
+    """The end of a turn's tool calls, as a stop condition of a choice's text (TextStream.also_stop_at):
+    a call identical to an earlier one of the turn (the model repeats itself), or the max_calls-th
+    distinct call. Its text passes through whole; the repeat in it is dropped where the output is
+    parsed (extract, ToolStream). Stopping ends the choice as a matched stop string does: its engine
+    request is aborted, what it made after counted as discarded, and the finish reason is "stop", which
+    calls make "tool_calls". So a model that writes the same call again and again, which a grammar of
+    parallel calls lets it do, stops at the first repeat instead of the context's end."""
+
+    def __init__(self, parser: ToolParser, functions: list[Function], max_calls: int):
+        self.calls = ToolStream(parser, functions)
+        self.max_calls = max_calls
+
+    def push(self, text: str) -> tuple[str, bool]:
+        self.calls.push(text)
+        return text, self.calls.repeated or self.calls.num_complete >= self.max_calls
+
+    def finish(self) -> str:
+        return ""

@@ -8,12 +8,19 @@
   `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes, and the fallback
   above) or Llama 3.1's JSON form (`{"name", "parameters"}`, calls separated by `;`). Text outside the
   calls is the message's content; a block that does not parse as a call of a given function stays
-  content.
+  content. The Hermes family's default parser is the lenient one: small models also write calls as
+  bare JSON, without the markers, some with the doubled braces their own template's text shows
+  (`{{"name": ..., "arguments": {...}}}`); an object counts where it opens with an offered
+  function's name and then its arguments object. A call identical to an earlier one of the same
+  output (name and arguments compared as parsed JSON) is dropped: the model is repeating itself.
 - `tool_choice` "required" or a named function constrains generation with a grammar built from the
   functions' parameter schemas (ToolParser.grammar), so the model can only write calls whose
   arguments parse and validate; the grammar's fixed parts (markers, keys, a sole function's name) are
   forced tokens, drafted for free. "auto" leaves the output free and parses it; "none" leaves the
   tools out of the prompt.
+- A turn's calls end by themselves (server/tool_stream.py's ToolCallStop): at a call that repeats
+  an earlier one, or at max_tool_calls_per_turn calls (one without parallel_tool_calls), generation
+  stops as at a stop string, so a model that repeats itself never runs to the context's end.
 - Streamed (server/tool_stream.py), content goes out as it comes, held back only while it might be a call's
   start; a call's first delta carries its id and name, then its arguments follow in fragments as
   the model writes them, joining into the non-streamed arguments (the model's own text).
@@ -122,7 +129,12 @@ class ToolParser:
         pass
 
     def extract(self, text: str, functions: list[Function]) -> tuple[str | None, list[ToolCall]]:
-        """The content (None when there is none) and the calls in a finished output."""
+        """The content (None when there is none) and the calls in a finished output, each once."""
+        content, calls = self.parse(text, functions)
+        return content, distinct(calls)
+
+    def parse(self, text: str, functions: list[Function]) -> tuple[str | None, list[ToolCall]]:
+        """The content and every call, repeats included."""
         raise NotImplementedError
 
     def grammar(self, functions: list[Function], parallel: bool) -> StructuredOutput:
@@ -130,14 +142,35 @@ class ToolParser:
         raise NotImplementedError
 
     @staticmethod
-    def _call(payload: Any, functions: list[Function], arguments_key: str) -> ToolCall | None:
-        """A call of a given function from a parsed {"name", <arguments_key>} object, else None."""
+    def _call(payload: Any, functions: list[Function], keys: tuple[str, ...]) -> ToolCall | None:
+        """A call of a given function from a parsed {"name", <arguments>} object (the arguments under
+        the first of `keys` it has; none: no arguments), else None."""
         if not isinstance(payload, dict) or payload.get("name") not in {f.name for f in functions}:
             return None
-        arguments = payload.get(arguments_key, payload.get("arguments", {}))
+        key = next((k for k in keys if k in payload), None)
+        arguments = payload[key] if key is not None else {}
         if not isinstance(arguments, dict):
             return None
         return ToolCall(payload["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())
+
+
+def same_call(call: ToolCall, other: ToolCall) -> bool:
+    """The same function with the same arguments, compared as parsed JSON (key order and spacing aside)."""
+    if call.name != other.name:
+        return False
+    try:
+        return json.loads(call.arguments) == json.loads(other.arguments)
+    except json.JSONDecodeError:   # a streamed call that broke down: its text as sent
+        return call.arguments == other.arguments
+
+
+def distinct(calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls, less those identical to an earlier one (a model that repeats itself)."""
+    kept: list[ToolCall] = []
+    for call in calls:
+        if not any(same_call(call, earlier) for earlier in kept):
+            kept.append(call)
+    return kept
 
 
 def _call_schema(functions: list[Function], arguments_key: str) -> dict[str, Any]:
@@ -150,9 +183,11 @@ def _call_schema(functions: list[Function], arguments_key: str) -> dict[str, Any
 
 
 class HermesParser(ToolParser):
-    """<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call."""
+    """<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call; only what
+    the markers enclose is a call (strict)."""
     START, END = "<tool_call>", "</tool_call>"
-    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    KEYS = ("arguments",)
+    lenient = False   # bare JSON calls count too (HermesLenientParser)
 
     def __init__(self, tokenizer=None):
         # Where the tokenizer has the markers as tokens of their own (Qwen2.5's added tokens), the
@@ -160,34 +195,87 @@ class HermesParser(ToolParser):
         # added token against the marker's text.
         self.start, self.end = (_literal(tokenizer, marker) for marker in (self.START, self.END))
 
-    def extract(self, text, functions):
-        calls, content, last = [], [], 0
-        for match in self.BLOCK.finditer(text):
-            call = self.parse_block(match.group(1), functions)
-            if call is None:
-                continue   # stays in the content
-            content.append(text[last:match.start()])
-            last = match.end()
-            calls.append(call)
-        content.append(text[last:])
+    def parse(self, text, functions):
+        """One pass over the text with the steps a stream (server/tool_stream.py) takes, so both agree."""
+        calls, content = [], []
+        while text:
+            at, kind = self.next_opening(text, functions, final=True)
+            content.append(text[:at])
+            text = text[at:]
+            if kind == "block":
+                end = text.find(self.END, len(self.START))
+                body_end, size = (len(text), len(text)) if end < 0 else (end, end + len(self.END))
+                call = self.parse_block(text[len(self.START):body_end], functions)
+                whole, rest = text[:size], text[size:]
+            elif kind == "bare":
+                _, size, call = self.bare_call(text, functions, final=True)
+                whole, rest = text[:size], text[size:]
+            else:
+                break
+            if call is None:   # no call: its text stays content
+                content.append(whole)
+            else:
+                calls.append(call)
+            text = rest
         joined = "".join(content).strip()
         return (joined or None), calls
+
+    def next_opening(self, text: str, functions: list[Function], final: bool) -> tuple[int, str]:
+        """Where the next call opens in content text: (i, "block") at a marker, (i, "bare") at a bare
+        call's opening (lenient), or (i, "") where none does: text[i:] (nothing when final) may still
+        grow into one."""
+        marker = text.find(self.START)
+        before = len(text) if marker < 0 else marker
+        if self.lenient:
+            names = [f.name for f in functions]
+            brace = text.find("{", 0, before)
+            while brace >= 0:
+                opening = _bare_opening(text, brace, names)
+                if opening or (opening == 0 and not final):
+                    return brace, ("bare" if opening else "")
+                brace = text.find("{", brace + 1, before)
+        if marker >= 0:
+            return marker, "block"
+        return len(text) - (0 if final else partial_suffix(text, self.START)), ""
+
+    def bare_call(self, text: str, functions: list[Function], final: bool) -> tuple[bool, int, ToolCall | None]:
+        """text opens a bare call (next_opening): (done, size, call). Done with a call: text[:size] is
+        that call; done without one: its first "{" is content (size 1); not done: it may still end."""
+        inner = len(text) - len(text[1:].lstrip(JSON_SPACE))
+        start = inner if text.startswith("{", inner) else 0   # a doubled brace's inner object
+        try:
+            payload, end = json.JSONDecoder().raw_decode(text, start)
+        except json.JSONDecodeError:
+            return final, 1, None
+        call = self._call(payload, functions, ("arguments", "parameters"))
+        if call is None:
+            return True, 1, None
+        if start:   # the doubled brace's closing one, where the model wrote it
+            after = len(text) - len(text[end:].lstrip(JSON_SPACE))
+            if after == len(text) and not final:
+                return False, 0, None
+            end = after + 1 if text.startswith("}", after) else end
+        return True, end, ToolCall(call.name, _arguments_text(text[start:], call), call.id)
 
     def parse_block(self, body: str, functions: list[Function]) -> ToolCall | None:
         """A call from a block's text, its arguments as the model wrote them (what a stream sends)."""
         try:
-            call = self._call(json.loads(body), functions, "arguments")
+            call = self._call(json.loads(body), functions, self.KEYS)
         except json.JSONDecodeError:
-            return None
-        header = HEADER.match(body)
-        if call is not None and header:   # the usual order: the arguments' own text
-            _, end = json.JSONDecoder().raw_decode(body, header.end())
-            call = ToolCall(call.name, body[header.end():end], call.id)
-        return call
+            call = None
+        if call is None and self.lenient:   # a doubled brace, or "parameters"
+            body = body.strip(JSON_SPACE)
+            if not _bare_opening(body, 0, [f.name for f in functions]):
+                return None
+            done, size, call = self.bare_call(body, functions, final=True)
+            return call if done and size == len(body) else None
+        return None if call is None else ToolCall(call.name, _arguments_text(body, call), call.id)
 
     def grammar(self, functions, parallel):
         schema = json.dumps(_call_schema(functions, "arguments"))
-        more = ' ("\\n" call)*' if parallel else ""
+        # After each call the turn may end (the grammar accepts, so end-of-sequence is allowed), also
+        # after the newline that would lead to another call.
+        more = ' ("\\n" call)* "\\n"?' if parallel else ""
         call = f'{self.start} "\\n" %json{schema} "\\n" {self.end}'
         return StructuredOutput("grammar", f"start: call{more}\ncall: {call}")
 
@@ -202,29 +290,47 @@ class HermesParser(ToolParser):
                 "<args-json-object>}\n</tool_call>")
 
 
+class HermesLenientParser(HermesParser):
+    """Hermes blocks, and what small models of the family write instead: a bare JSON call
+    {"name": <an offered function>, "arguments": {...}} (or "parameters") outside the markers, also
+    with the doubled braces {{...}} of Qwen2.5's template text. An object counts only where it opens
+    with an offered function's name and then an arguments object; other JSON stays content."""
+    lenient = True
+
+
 class Llama3JsonParser(ToolParser):
     """Llama 3.1's JSON tool calls: the whole output is {"name": ..., "parameters": {...}} (several
     separated by "; "), after the <|python_tag|> special token when the model writes one."""
     TAG = "<|python_tag|>"
 
-    def extract(self, text, functions):
-        body = text.strip()
-        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
-        calls, decoder, at = [], json.JSONDecoder(), 0
-        while body.startswith("{"):
+    def parse(self, text, functions):
+        calls, end = self.leading_calls(text, functions)
+        if not calls or text[end:].strip():   # anything that is not a call: the output is a message
+            return (text.strip() or None), []
+        return None, calls
+
+    def leading_calls(self, text: str, functions: list[Function], start: int = 0) -> tuple[list[ToolCall], int]:
+        """The complete calls the text holds from `start` (where earlier ones ended) on, and where they end."""
+        calls, decoder = [], json.JSONDecoder()
+        at = self._next_call(text, start)
+        while text.startswith("{", at):
             try:
-                payload, at = decoder.raw_decode(body)
+                payload, end = decoder.raw_decode(text, at)
             except json.JSONDecodeError:
                 break
-            call = self._call(payload, functions, "parameters")
+            call = self._call(payload, functions, ("parameters", "arguments"))
             if call is None:
                 break
             calls.append(call)
-            body = body[at:].lstrip()
-            body = body[1:].lstrip() if body.startswith(";") else body
-        if not calls or body:   # anything that is not a call: the output is a message
-            return (text.strip() or None), []
-        return None, calls
+            start, at = end, self._next_call(text, end)
+        return calls, start
+
+    def _next_call(self, text: str, at: int) -> int:
+        """Past the whitespace, the tag and a ";" in front of a call."""
+        rest = text[at:].lstrip()
+        rest = rest[len(self.TAG):].lstrip() if rest.startswith(self.TAG) else rest
+        rest = rest[1:].lstrip() if rest.startswith(";") else rest
+        return len(text) - len(rest)
 
     def grammar(self, functions, parallel):
         schema = json.dumps(_call_schema(functions, "parameters"))
@@ -232,8 +338,44 @@ class Llama3JsonParser(ToolParser):
         return StructuredOutput("grammar", f"start: call{more}\ncall: %json{schema}")
 
 
+JSON_SPACE = " \t\r\n"
 # A Hermes call's opening, up to its arguments' first character: {"name": "<name>", "arguments":
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def _arguments_text(text: str, call: ToolCall) -> str:
+    """A call's arguments as the model wrote them where its object (text's start) opens with the name
+    (the usual order: what a stream sends), else as parsed."""
+    header = HEADER.match(text)
+    if not header:
+        return call.arguments
+    _, end = json.JSONDecoder().raw_decode(text, header.end())
+    return text[header.end():end]
+
+
+def _bare_opening(text: str, at: int, names: list[str]) -> int | None:
+    """Whether text[at:] (a "{") opens a bare call: {"name": "<one of names>", "arguments": { (or
+    "parameters"), maybe after a doubled "{", JSON whitespace between. Where it does, the opening's
+    end; 0 where the text ends before that is known; None where it does not."""
+    pieces = [("{",), ("{", ""), ('"name"',), (":",), tuple(f'"{name}"' for name in names), (",",),
+              ('"arguments"', '"parameters"'), (":",), ("{",)]
+    for options in pieces:
+        rest = text[at:].lstrip(JSON_SPACE)
+        if not rest:
+            return 0
+        taken = next((o for o in options if rest.startswith(o)), None)
+        if taken is None:
+            return 0 if any(o.startswith(rest) for o in options) else None
+        at = len(text) - len(rest) + len(taken)
+    return at
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of text that is a proper start of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
 
 
 def unquote(text: str) -> str | None:
@@ -243,12 +385,12 @@ def unquote(text: str) -> str | None:
         return None
 
 
-PARSER_CLASSES = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+PARSER_CLASSES = {"hermes_lenient": HermesLenientParser, "hermes": HermesParser, "llama3_json": Llama3JsonParser}
 
 
 def choose_parser(chat_template: str | None, configured: str = "auto", tokenizer=None) -> ToolParser:
-    """The parser a config key names, or the one the chat template writes calls for (Hermes where it
-    shows none: the fallback prompt asks for that format)."""
+    """The parser a config key names, or the one the chat template writes calls for: the lenient
+    Hermes one where it shows none (the fallback prompt asks for that format)."""
     if configured != "auto":
         if configured not in PARSER_CLASSES:
             raise ValueError(f"tool_call_parser must be auto or one of {', '.join(PARSER_CLASSES)}, got "
@@ -257,7 +399,7 @@ def choose_parser(chat_template: str | None, configured: str = "auto", tokenizer
     template = chat_template or ""
     if "<|python_tag|>" in template or '"parameters": ' in template:
         return Llama3JsonParser(tokenizer)
-    return HermesParser(tokenizer)
+    return HermesLenientParser(tokenizer)
 
 
 def _literal(tokenizer, text: str) -> str:
