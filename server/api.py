@@ -27,9 +27,9 @@ from fastapi.responses import PlainTextResponse, Response
 from server import protocol as p
 from server.async_engine import Choice
 from server.middleware import GuardMiddleware
-from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_WATCHDOG_TIMEOUT
+from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOOL_CALLS_PER_TURN, DEFAULT_WATCHDOG_TIMEOUT
 from server.serving import Server
-from server.tool_stream import ToolStream
+from server.tool_stream import ToolCallStop, ToolStream
 from server.tools import Function, ToolCall, template_messages
 from engine.tokenizer import ChatTemplateError, render_chat
 
@@ -38,15 +38,18 @@ logger = logging.getLogger("specserve.server")
 
 def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None,
                on_dead=None, max_num_waiting: int | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-               watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT, tool_call_parser: str = "auto") -> FastAPI:
+               watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT, tool_call_parser: str = "auto",
+               max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN) -> FastAPI:
     """engine: an Engine (its loop runs on a thread of this process) or a started
     server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies.
     max_num_waiting: queued requests past which new ones get a 429 (None: unbounded);
     max_body_size: bytes of a request body past which it is a 413, unread; watchdog_timeout: seconds
     without a finished step, while requests wait, after which /health answers 503; tool_call_parser:
-    how the model writes tool calls (server/tools.py; auto: from its chat template)."""
+    how the model writes tool calls (server/tools.py; auto: from its chat template);
+    max_tool_calls_per_turn: distinct tool calls after which a choice ends (server/tool_stream.py)."""
     server = Server(engine, tokenizer, served_model_name, api_key, metrics, on_dead, max_num_waiting,
                     watchdog_timeout, tool_call_parser)
+    server.max_tool_calls_per_turn = max_tool_calls_per_turn
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -250,6 +253,7 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     await server.compile_grammar(params.structured, grammar_param)
     request_id = p.new_id("chatcmpl")
     choices = server.choices([prompt], params, body, request_id)
+    _end_tool_calls(server, choices, offered, body.parallel_tool_calls)
     generation = await server.start(choices, "messages")
     head = {"id": request_id, "object": "chat.completion", "created": p.now(), "model": server.served_model_name}
 
@@ -296,6 +300,15 @@ def _chat_message(server: Server, choice: Choice, offered: list[Function], paral
     message = {"role": "assistant", "content": content,
                **({"tool_calls": [call.as_openai() for call in calls]} if calls else {})}
     return {"index": choice.index, "message": message, "finish_reason": _finish_reason(choice.finish_reason, calls)}
+
+
+def _end_tool_calls(server: Server, choices: list[Choice], offered: list[Function], parallel: bool) -> None:
+    """Each choice's turn ends at a tool call that repeats an earlier one, or at the
+    max_tool_calls_per_turn-th call (the first without parallel calls), as at a stop string."""
+    if offered:
+        max_calls = server.max_tool_calls_per_turn if parallel else 1
+        for choice in choices:
+            choice.text_stream.also_stop_at(ToolCallStop(server.tool_parser, offered, max_calls))
 
 
 def _tool_grammar(server: Server, body: p.ChatCompletionRequest, params, functions: list[Function],

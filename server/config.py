@@ -23,7 +23,8 @@ from engine.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, Spe
 ENV_PREFIX = "SPECSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENGINE_CORES = ("process", "thread")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")   # server/tools.py's parsers
+TOOL_CALL_PARSERS = ("auto", "hermes_lenient", "hermes", "llama3_json")   # server/tools.py's parsers
+DEFAULT_MAX_TOOL_CALLS_PER_TURN = 32   # distinct tool calls after which a turn ends (a backstop to repeats ending it)
 DEFAULT_MAX_BODY_SIZE = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
 DEFAULT_WATCHDOG_TIMEOUT = 120.0     # seconds without a step while requests wait: /health says the engine is stuck
 DEFAULT_SHUTDOWN_TIMEOUT = 25.0     # on SIGTERM: drain this long (Kubernetes kills after 30 s by default)
@@ -49,6 +50,7 @@ class ServerConfig:
     watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT  # seconds without a finished step while requests wait
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # on SIGTERM: seconds in-flight requests may still run
     tool_call_parser: str = "auto"      # how the model writes tool calls (auto: from its chat template)
+    max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN   # calls after which a choice's turn ends
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -70,6 +72,8 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                               f"{self.tool_call_parser!r}")
+        if self.max_tool_calls_per_turn < 1:
+            raise ConfigError(f"max_tool_calls_per_turn must be at least 1, got {self.max_tool_calls_per_turn}")
         if self.api_key == "":
             raise ConfigError("api_key must not be empty (leave it unset to turn authentication off)")
 
@@ -200,9 +204,14 @@ OPTIONS: tuple[Option, ...] = (
            "many seconds, then end the rest with an error (default 25, inside Kubernetes' 30 s grace)", "SECONDS"),
     Option("max_step_failures", _parse_int, "engine steps in a row that fail every request in them before the "
            "engine is declared dead and the server exits 1 (default 5)", "N"),
-    Option("tool_call_parser", _parse_str, "how the model writes tool calls: hermes (<tool_call> blocks: Qwen2.5, "
-           "Qwen3, Hermes) or llama3_json (Llama 3.1's JSON form); default auto: from the chat template, hermes "
+    Option("tool_call_parser", _parse_str, "how the model writes tool calls: hermes_lenient (<tool_call> blocks: "
+           "Qwen2.5, Qwen3, Hermes; and bare JSON calls {\"name\": <an offered function>, \"arguments\": {...}}, "
+           "also in doubled braces, as small models write them), hermes (the blocks only) or llama3_json (Llama "
+           "3.1's JSON form); default auto: from the chat template, hermes_lenient for the Hermes family and "
            "where the template shows none (the tools then go in the system prompt)", choices=TOOL_CALL_PARSERS),
+    Option("max_tool_calls_per_turn", _parse_int, "distinct tool calls after which a choice's turn ends with "
+           "finish_reason tool_calls (a call that repeats an earlier one ends it too; without "
+           "parallel_tool_calls, the first call does; default 32)", "N"),
     Option("max_body_size", parse_size, "largest request body, e.g. 16MiB; larger ones are a 413 before "
            "they are read (default 16MiB)", "SIZE"),
 )
@@ -211,7 +220,7 @@ OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
 YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
                "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout", "shutdown_timeout",
-               "tool_call_parser")
+               "tool_call_parser", "max_tool_calls_per_turn")
 
 
 def _parse(option: Option, value: Any, source: str) -> Any:
