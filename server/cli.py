@@ -80,10 +80,8 @@ def serve(config: ServerConfig) -> int:
     if rank:   # torchrun started every rank as `specserve serve`: ranks 1..N-1 run a shard, rank 0 serves
         worker_main(rank, int(os.environ["WORLD_SIZE"]), "env://", config.engine)
         return 0
-    import uvicorn
-
     from server.api import create_app
-    from server.http import SHUTDOWN_BACKSTOP_S, DrainingServer
+    from server.http import SHUTDOWN_BACKSTOP_S, ConnectionLimits, DrainingServer, uvicorn_config
     from server.metrics import Metrics
     from engine.tokenizer import load_tokenizer
 
@@ -114,7 +112,9 @@ def serve(config: ServerConfig) -> int:
         logger.warning("specserve: AUTHENTICATION IS OFF on %s: anyone who reaches port %d can use the model; set "
                        "SPECSERVE_API_KEY (or --api-key) unless a proxy in front authenticates", config.host,
                        config.port)
-    http = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+    limits = ConnectionLimits(config.limit_concurrency, config.timeout_keep_alive, config.header_timeout,
+                              config.body_timeout)
+    http = DrainingServer(uvicorn_config(app, config.host, config.port, limits, log_level=config.log_level,
                                          access_log=config.log_level == "debug",
                                          timeout_graceful_shutdown=SHUTDOWN_BACKSTOP_S),
                           lambda: app.state.server.shutdown(config.shutdown_timeout))

@@ -28,6 +28,10 @@ DEFAULT_MAX_TOOL_CALLS_PER_TURN = 32   # distinct tool calls after which a turn 
 DEFAULT_MAX_BODY_SIZE = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
 DEFAULT_WATCHDOG_TIMEOUT = 120.0     # seconds without a step while requests wait: /health says the engine is stuck
 DEFAULT_SHUTDOWN_TIMEOUT = 25.0     # on SIGTERM: drain this long (Kubernetes kills after 30 s by default)
+DEFAULT_LIMIT_CONCURRENCY = 1000    # connections: below the usual 1024 open files, so the limit answers first
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0    # seconds an idle kept-alive connection stays open (uvicorn's default)
+DEFAULT_HEADER_TIMEOUT = 10.0       # seconds for a request's head to arrive
+DEFAULT_BODY_TIMEOUT = 60.0         # seconds for a whole body to arrive: the largest default body at 280 KB/s
 
 
 class ConfigError(ValueError):
@@ -49,6 +53,10 @@ class ServerConfig:
     max_body_size: int = DEFAULT_MAX_BODY_SIZE          # bytes of a request body past which it is a 413
     watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT  # seconds without a finished step while requests wait
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # on SIGTERM: seconds in-flight requests may still run
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY   # open connections past which new requests get 503
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE      # seconds an idle kept-alive connection stays open
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT              # seconds a request's head may take to arrive
+    body_timeout: float = DEFAULT_BODY_TIMEOUT                  # seconds a request's body may take to arrive
     tool_call_parser: str = "auto"      # how the model writes tool calls (auto: from its chat template)
     max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN   # calls after which a choice's turn ends
 
@@ -67,6 +75,11 @@ class ServerConfig:
             raise ConfigError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ConfigError(f"limit_concurrency must be at least 1, got {self.limit_concurrency}")
+        for key in ("timeout_keep_alive", "header_timeout", "body_timeout"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.max_body_size < 1024:
             raise ConfigError(f"max_body_size must be at least 1KiB, got {self.max_body_size}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -214,12 +227,21 @@ OPTIONS: tuple[Option, ...] = (
            "parallel_tool_calls, the first call does; default 32)", "N"),
     Option("max_body_size", parse_size, "largest request body, e.g. 16MiB; larger ones are a 413 before "
            "they are read (default 16MiB)", "SIZE"),
+    Option("limit_concurrency", _parse_int, "open connections (or requests in flight) past which a new request is "
+           "answered 503 at once (default 1000)", "N"),
+    Option("timeout_keep_alive", _parse_float, "seconds an idle kept-alive connection stays open (default 5)",
+           "SECONDS"),
+    Option("header_timeout", _parse_float, "seconds a connection has to deliver a request's head, from its opening "
+           "or its next request's first byte; then a 408 and the connection closed (default 10)", "SECONDS"),
+    Option("body_timeout", _parse_float, "seconds a request's body has to arrive after its head; then a 408 and "
+           "the connection closed (default 60)", "SECONDS"),
 )
 OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
 # Spelled as in EngineConfig; accepted in YAML files as an alias.
 YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
                "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout", "shutdown_timeout",
+               "limit_concurrency", "timeout_keep_alive", "header_timeout", "body_timeout",
                "tool_call_parser", "max_tool_calls_per_turn")
 
 

@@ -180,7 +180,7 @@ class Server:
     async def run(self, generation: Generation, request: Request) -> None:
         """Run a non-streaming generation to its end, aborting it if the client goes away."""
         collect = asyncio.ensure_future(generation.run_to_end())
-        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(request.receive))
         try:
             await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -229,15 +229,18 @@ class Server:
         yield p.sse("[DONE]")
 
 
-async def _wait_for_disconnect(request: Request) -> None:
+async def _wait_for_disconnect(receive) -> None:
     # The body has been read, so the next ASGI message is the disconnect (or the response's end).
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
 class _SSEResponse(StreamingResponse):
-    """Server-sent events whose generation is closed however the response ends: finished, failed,
-    or cut short by a client disconnect (Starlette then cancels the stream without closing it)."""
+    """Server-sent events beside a watcher of the client: a client that leaves is noticed at once,
+    even while nothing is written (text held back behind a partial stop string or a tool call's
+    JSON), and the generation is closed however the response ends (finished, failed, or the
+    client gone), which aborts its engine requests and frees their KV. Starlette listens for the
+    disconnect itself only on servers older than ASGI 2.4; this response does not depend on it."""
 
     def __init__(self, events: AsyncIterator[str], generation: Generation):
         super().__init__(events, media_type="text/event-stream",
@@ -245,7 +248,13 @@ class _SSEResponse(StreamingResponse):
         self.generation = generation
 
     async def __call__(self, scope, receive, send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({streaming, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            disconnected.cancel()
+            streaming.cancel()
             self.generation.close()
+        if streaming.done() and not streaming.cancelled() and not isinstance(streaming.exception(), OSError):
+            streaming.result()   # a failure of the stream itself; OSError: the client went away mid-write
