@@ -44,6 +44,10 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 # its request is refused. llguidance's own limits stop pathological grammars well before this; what
 # is left is a machine too loaded to compile in time.
 GRAMMAR_COMPILE_TIMEOUT = 10.0
+# A JSON schema deeper or larger than this is refused before anything recurses over it (serializing,
+# compiling, a chat template's tojson); the schemas of real tools and outputs stay far below both.
+MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_NODES = 50_000
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,11 @@ class StructuredOutput:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"json_schema: not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
         if not isinstance(schema, dict):
             raise ValueError(f"json_schema: a schema is a JSON object, got {type(schema).__name__}")
+        check_json_size(schema, "json_schema")
         return cls("json_schema", json.dumps(schema))   # key order kept: properties are written in schema order
 
     @classmethod
@@ -80,6 +87,23 @@ class StructuredOutput:
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form) for this spec; ValueError when it does not compile."""
         return _grammar(self.kind, self.value)
+
+
+def check_json_size(value, where: str, max_depth: int = MAX_SCHEMA_DEPTH, max_nodes: int = MAX_SCHEMA_NODES
+                    ) -> None:
+    """ValueError naming `where` when a JSON value nests deeper than max_depth objects and arrays or
+    holds more than max_nodes values. Walked without recursion and stopped at the first excess, so
+    the check itself is bounded whatever it is given."""
+    pending, seen = [(value, 1)], 0
+    while pending:
+        item, depth = pending.pop()
+        seen += 1
+        if seen > max_nodes:
+            raise ValueError(f"{where}: more than {max_nodes} values; a schema this large is not supported")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        if children and depth > max_depth:
+            raise ValueError(f"{where}: nested deeper than {max_depth} levels")
+        pending.extend((child, depth + 1) for child in children)
 
 
 @functools.lru_cache(maxsize=256)

@@ -39,6 +39,7 @@ logger = logging.getLogger("specserve.server")
 def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None,
                on_dead=None, max_num_waiting: int | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT, tool_call_parser: str = "auto",
+               max_prompt_chars: int | None = None,
                max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN) -> FastAPI:
     """engine: an Engine (its loop runs on a thread of this process) or a started
     server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies.
@@ -46,9 +47,10 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
     max_body_size: bytes of a request body past which it is a 413, unread; watchdog_timeout: seconds
     without a finished step, while requests wait, after which /health answers 503; tool_call_parser:
     how the model writes tool calls (server/tools.py; auto: from its chat template);
+    max_prompt_chars: characters of prompt text one request may send (None: 32 per token of the context);
     max_tool_calls_per_turn: distinct tool calls after which a choice ends (server/tool_stream.py)."""
     server = Server(engine, tokenizer, served_model_name, api_key, metrics, on_dead, max_num_waiting,
-                    watchdog_timeout, tool_call_parser)
+                    watchdog_timeout, tool_call_parser, max_prompt_chars)
     server.max_tool_calls_per_turn = max_tool_calls_per_turn
 
     @contextlib.asynccontextmanager
@@ -56,6 +58,7 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
         server.async_engine.start()
         yield
         server.async_engine.stop()
+        server.text_work.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.server = server
@@ -93,18 +96,26 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise p.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = _render(server, body.messages, body.add_generation_prompt, p.request_tools(body.tools))
+            tokens = await server.off_loop(_render, server, body.messages, body.add_generation_prompt,
+                                           p.request_tools(body.tools))
         else:
-            tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            server.check_prompt_chars(len(body.prompt), "prompt")
+            tokens = await server.off_loop(lambda: server.tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.info.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest):
         server.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < len(server.tokenizer)]
-        if bad:
-            raise p.APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
-        return {"prompt": server.tokenizer.decode(body.tokens)}
+        # a token is one character or more of text: what /tokenize takes, /detokenize gives back
+        limit, vocab_size = server.max_prompt_chars, len(server.tokenizer)
+        if len(body.tokens) > limit:
+            raise p.APIError(400, f"tokens: {len(body.tokens)} tokens, more than this server detokenizes in one "
+                                  f"request ({limit}, max_prompt_chars)", param="tokens")
+        if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab_size):
+            bad = next(t for t in body.tokens if not 0 <= t < vocab_size)
+            raise p.APIError(400, f"token id {bad} is outside the vocabulary", param="tokens")
+        return {"prompt": await server.off_loop(server.tokenizer.decode, body.tokens)}
 
     @app.get("/version")
     async def version():
@@ -147,8 +158,10 @@ def _version() -> str:
 def _render(server: Server, messages: list[p.ChatMessage], add_generation_prompt: bool,
             functions: list[Function] | None = None) -> list[int]:
     """The conversation's tokens; the tools (when offered) rendered by the template, or in the system
-    prompt where the template has no place for them."""
-    dumped = template_messages([m.model_dump(exclude_none=True) for m in messages], functions, server.native_tools)
+    prompt where the template has no place for them. Its size is checked first. Routes run it on a
+    text thread (server.off_loop): a template is Python, slow on a long conversation."""
+    server.check_prompt_chars(sum(m.num_chars() for m in messages), "messages")
+    dumped = template_messages([m.for_template() for m in messages], functions, server.native_tools)
     tools = [f.as_tool() for f in functions] if functions and server.native_tools else None
     try:
         return render_chat(server.tokenizer, dumped, add_generation_prompt, tools)
@@ -158,17 +171,22 @@ def _render(server: Server, messages: list[p.ChatMessage], add_generation_prompt
 
 # ---- /v1/completions ------------------------------------------------------------------------
 
-def _completion_prompts(server: Server, prompt) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids of each prompt, and its text when it came as text."""
+async def _completion_prompts(server: Server, prompt, n: int) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt, and its text when it came as text. Counts, sizes and vocabulary
+    ranges are checked before anything is tokenized or sent to the engine."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if len(prompt) == 0:
         raise p.APIError(400, "prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
+    server.check_num_choices(len(prompt), n)
     if isinstance(prompt[0], str):
-        return [server.tokenizer.encode(text) for text in prompt], list(prompt)
-    return [list(ids) for ids in prompt], [None] * len(prompt)
+        server.check_prompt_chars(sum(len(text) for text in prompt), "prompt")
+        return await server.off_loop(lambda: [server.tokenizer.encode(text) for text in prompt]), list(prompt)
+    for ids in prompt:
+        server.check_prompt_ids(ids, "prompt")
+    return prompt, [None] * len(prompt)
 
 
 async def _completions(server: Server, body: p.CompletionRequest, request: Request):
@@ -179,7 +197,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
         raise p.APIError(400, "suffix is not supported", param="suffix")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     scoring_only = max_tokens == 0 and body.echo   # scoring a prompt: echo (and logprobs), nothing generated
-    prompts, texts = _completion_prompts(server, body.prompt)
+    prompts, texts = await _completion_prompts(server, body.prompt, body.n)
     params = server.sampling_params(
         body, max_tokens=1 if scoring_only else max_tokens, logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
@@ -188,8 +206,9 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
     choices = server.choices(prompts, params, body, request_id, keep_output=not scoring_only)
     generation = await server.start(choices, "prompt")
     # what echo puts in front of each choice's text: the prompt as given, else its decoded tokens
-    echo_texts = [(text if text is not None else server.tokenizer.decode(ids)) if body.echo else ""
-                  for ids, text in zip(prompts, texts) for _ in range(body.n)]
+    echoed_prompts = await server.off_loop(lambda: [text if text is not None else server.tokenizer.decode(ids)
+                                                    for ids, text in zip(prompts, texts)]) if body.echo else []
+    echo_texts = [echoed_prompts[i] if body.echo else "" for i in range(len(prompts)) for _ in range(body.n)]
 
     def logprobs_of(choice: Choice, start: int, echoed: bool, offset: int) -> tuple[dict | None, int]:
         if body.logprobs is None:
@@ -204,13 +223,16 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
     head = {"id": request_id, "object": "text_completion", "created": p.now(), "model": server.served_model_name}
     if not body.stream:
         await server.run(generation, request)
-        out = []
-        for choice in choices:
-            text = echo_texts[choice.index] + choice.text
-            logprobs, _ = logprobs_of(choice, 0, body.echo, 0)
-            out.append({"index": choice.index, "text": text, "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason})
-        return {**head, "choices": out, **server.totals(generation, num_prompt_tokens)}
+
+        def response() -> dict:
+            out = []
+            for choice in choices:
+                text = echo_texts[choice.index] + choice.text
+                logprobs, _ = logprobs_of(choice, 0, body.echo, 0)
+                out.append({"index": choice.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": choice.finish_reason})
+            return {**head, "choices": out, **server.totals(generation, num_prompt_tokens)}
+        return await server.respond(response)
 
     offsets = [0] * len(choices)
     echoed = [not body.echo] * len(choices)
@@ -240,7 +262,7 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     offered = functions if tool_choice != "none" else []   # "none": the model is not told of the tools
     if body.top_logprobs is not None and not body.logprobs:
         raise p.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt = _render(server, body.messages, body.add_generation_prompt, offered)
+    prompt = await server.off_loop(_render, server, body.messages, body.add_generation_prompt, offered)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:   # as much as the context leaves (at least 1, so a full prompt gets the context error)
         max_tokens = max(1, server.info.max_model_len - len(prompt))
@@ -262,9 +284,9 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
 
     if not body.stream:
         await server.run(generation, request)
-        out = [{**_chat_message(server, c, offered, body.parallel_tool_calls), "logprobs": logprobs_of(c, 0)}
-               for c in choices]
-        return {**head, "choices": out, **server.totals(generation, len(prompt))}
+        return await server.respond(lambda: {**head, "choices": [
+            {**_chat_message(server, c, offered, body.parallel_tool_calls), "logprobs": logprobs_of(c, 0)}
+            for c in choices], **server.totals(generation, len(prompt))})
 
     head = {**head, "object": "chat.completion.chunk"}
     usage_field = {"usage": None} if body.include_usage else {}

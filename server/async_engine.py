@@ -3,6 +3,7 @@
     engine core (server.engine_core)           event loop thread
     --------------------------------           -----------------
     sleep while idle                           add_requests(): register queue and future, submit "add"
+                                               (a prompt once, with the ids and params of its choices)
     apply commands (add / abort)  <----------  abort(): submit "abort"
     step()
     messages -> _on_message (core's thread) -> call_soon_threadsafe -> futures, per-request asyncio queues
@@ -77,29 +78,32 @@ class AsyncEngine:
         return self._started and self.error is None and not self._stopping and self.core.is_running
 
     # ---- requests (event loop thread) -------------------------------------------------
-    async def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]], queue: asyncio.Queue) -> None:
-        """Queue requests in the engine; their outputs (RequestOutput deltas, or an EngineDeadError)
-        go to `queue`. Raises the engine's ValueError / ContextLengthError for bad input, in which
-        case none of them stays queued."""
-        futures = [self._loop.create_future() for _ in requests]
-        for (rid, _, _), future in zip(requests, futures):
+    async def add_requests(self, prompts: list[tuple[list[int], list[tuple[str, SamplingParams]]]],
+                           queue: asyncio.Queue) -> None:
+        """Queue requests in the engine: per prompt, the (request id, params) of its choices. Each
+        prompt crosses to the engine core once, however many choices share it. Their outputs
+        (RequestOutput deltas, or an EngineDeadError) go to `queue`. Raises the engine's ValueError /
+        ContextLengthError for bad input, in which case none of them stays queued."""
+        ids = [rid for _, requests in prompts for rid, _ in requests]
+        futures = [self._loop.create_future() for _ in ids]
+        for rid, future in zip(ids, futures):
             self._queues[rid], self._adding[rid] = queue, future
         try:
-            self._submit([("add", rid, prompt, params) for rid, prompt, params in requests])
+            self._submit([("add", prompt, tuple(requests)) for prompt, requests in prompts])
         except EngineDeadError:
-            for rid, _, _ in requests:
+            for rid in ids:
                 self._queues.pop(rid, None)
                 self._adding.pop(rid, None)
             raise
         try:
             results = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:   # client gone while waiting: added or not, drop them all
-            for rid, _, _ in requests:
+            for rid in ids:
                 self.abort(rid)
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            for rid, _, _ in requests:
+            for rid in ids:
                 self.abort(rid)
             raise errors[0]
 
@@ -318,9 +322,12 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     async def start(self) -> None:
-        """Queue every choice in the engine; raises ValueError / ContextLengthError / EngineDeadError."""
-        await self.engine.add_requests([(c.request_id, c.prompt_token_ids, c.params) for c in self.choices],
-                                       self.queue)
+        """Queue every choice in the engine, each prompt once with the choices that share it; raises
+        ValueError / ContextLengthError / EngineDeadError."""
+        prompts: dict[int, tuple[list[int], list[tuple[str, SamplingParams]]]] = {}
+        for c in self.choices:
+            prompts.setdefault(id(c.prompt_token_ids), (c.prompt_token_ids, []))[1].append((c.request_id, c.params))
+        await self.engine.add_requests(list(prompts.values()), self.queue)
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, str, int]]:
         """(choice, new text, index of its first new token) per engine delta, until all are finished.

@@ -51,6 +51,7 @@ class ServerConfig:
     engine_threads: int | None = None   # the engine's compute threads (None: every core this process may use)
     max_num_waiting: int | None = 512   # queued requests past which new ones get a 429
     max_body_size: int = DEFAULT_MAX_BODY_SIZE          # bytes of a request body past which it is a 413
+    max_prompt_chars: int | None = None   # characters of prompt text per request (None: 32 per context token)
     watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT  # seconds without a finished step while requests wait
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # on SIGTERM: seconds in-flight requests may still run
     limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY   # open connections past which new requests get 503
@@ -82,6 +83,8 @@ class ServerConfig:
                 raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.max_body_size < 1024:
             raise ConfigError(f"max_body_size must be at least 1KiB, got {self.max_body_size}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ConfigError(f"max_prompt_chars must be at least 1, got {self.max_prompt_chars}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                               f"{self.tool_call_parser!r}")
@@ -227,6 +230,9 @@ OPTIONS: tuple[Option, ...] = (
            "parallel_tool_calls, the first call does; default 32)", "N"),
     Option("max_body_size", parse_size, "largest request body, e.g. 16MiB; larger ones are a 413 before "
            "they are read (default 16MiB)", "SIZE"),
+    Option("max_prompt_chars", _parse_int, "characters of prompt text one request may send (completion prompts, "
+           "chat messages, /tokenize), refused with a 400 before they are tokenized or rendered (default: 32 per "
+           "token of max_model_len, far past any text that fits the context)", "N"),
     Option("limit_concurrency", _parse_int, "open connections (or requests in flight) past which a new request is "
            "answered 503 at once (default 1000)", "N"),
     Option("timeout_keep_alive", _parse_float, "seconds an idle kept-alive connection stays open (default 5)",
@@ -242,7 +248,7 @@ YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
                "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout", "shutdown_timeout",
                "limit_concurrency", "timeout_keep_alive", "header_timeout", "body_timeout",
-               "tool_call_parser", "max_tool_calls_per_turn")
+               "tool_call_parser", "max_tool_calls_per_turn", "max_prompt_chars")
 
 
 def _parse(option: Option, value: Any, source: str) -> Any:

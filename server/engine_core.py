@@ -7,7 +7,7 @@ process (`ThreadCore`). Only the channel differs; the loop is one.
 
     API process                                   engine core (process or thread)
     -----------                                   -------------------------------
-    submit([("add", rid, prompt, params), ...])   sleep while idle; between steps apply commands
+    submit([("add", prompt, ((rid, params), ...))])  sleep while idle; between steps apply commands
     submit([("abort", rid, reason)])  ---------->  step()
     on_message(message)  <-----------------------  ("ready", EngineInfo)          once, at start
                                                    ("added", [(rid, error), ...])  error: None or the ValueError
@@ -16,15 +16,18 @@ process (`ThreadCore`). Only the channel differs; the loop is one.
                                                    ("aborted", final RequestOutput, reason)
                                                    ("dead", reason)                 the loop died
 
-Commands are applied only between steps, so the engine is never touched by two threads. Messages
-are pickled (both ends are this package, over a private pipe) and small: a step's token deltas and
-its statistics.
+Commands are applied only between steps, so the engine is never touched by two threads. An "add"
+carries its prompt once for all the choices (n) that share it. Messages are pickled (both ends are
+this package, over a private pipe) and small: a step's token deltas and its statistics. Commands to
+a process core are pickled and written by a thread of their own, in order, so that a long prompt
+never holds the event loop while the engine process is busy with a step and not reading.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
@@ -115,12 +118,13 @@ class EngineCore:
         added = []
         for command in commands:
             if command[0] == "add":
-                _, request_id, prompt, params = command
-                try:
-                    self.engine.add_request(request_id, prompt, params)
-                    added.append((request_id, None))
-                except Exception as exc:  # noqa: BLE001 - bad input fails its request, never the loop
-                    added.append((request_id, exc))
+                _, prompt, requests = command
+                for request_id, params in requests:
+                    try:
+                        self.engine.add_request(request_id, prompt, params)
+                        added.append((request_id, None))
+                    except Exception as exc:  # noqa: BLE001 - bad input fails its request, never the loop
+                        added.append((request_id, exc))
             else:
                 self._abort(*command[1:])
         if added:
@@ -276,8 +280,10 @@ class ProcessCore:
                                        args=(config, child_conn, engine_threads(num_threads), log_level))
         self.process.start()
         child_conn.close()
-        self._send_lock = threading.Lock()
         self.info = self._wait_ready(start_timeout)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_error: str | None = None
+        threading.Thread(target=self._write, name="specserve-core-writer", daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> EngineInfo:
         if not self._conn.poll(timeout):
@@ -310,12 +316,25 @@ class ProcessCore:
                 on_message(("dead", f"the engine process exited (exit code {self.process.exitcode})"))
 
     def submit(self, commands: list[tuple]) -> None:
-        try:
-            with self._send_lock:
-                for command in commands:
-                    self._conn.send(command)
-        except (BrokenPipeError, OSError) as exc:
-            raise ConnectionError(f"the engine process is gone: {exc}") from None
+        """Queue commands for the writer thread; never blocks (the pipe may be full while the engine
+        process runs a step)."""
+        if self._send_error is not None or not self.process.is_alive():
+            raise ConnectionError(f"the engine process is gone: {self._send_error or 'it exited'}")
+        for command in commands:
+            self._outbox.put(command)
+
+    def _write(self) -> None:
+        """Send the queued commands in order, until STOP or a broken pipe (the reader then reports
+        the process's death)."""
+        while True:
+            command = self._outbox.get()
+            try:
+                self._conn.send(command)
+            except (BrokenPipeError, OSError) as exc:
+                self._send_error = str(exc)
+                return
+            if command == STOP:
+                return
 
     def stop(self, timeout: float) -> None:
         try:

@@ -15,17 +15,17 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
 from engine.outputs import SpecStats, TokenLogprob
-from engine.structured import StructuredOutput
+from engine.structured import StructuredOutput, check_json_size
 from server.tools import Function, parse_tool_choice, parse_tools
 
 logger = logging.getLogger("specserve.server")
@@ -34,6 +34,8 @@ MAX_N = 128
 MAX_CHOICES = 256        # prompts x n of one request: each is an engine request
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512    # characters per stop string: each is matched against every delta
+MAX_MESSAGES = 4096      # messages of one chat request: each is validated and rendered
+MAX_TOOLS = 128          # OpenAI's own limit; each tool's schema is rendered into the prompt
 LOGPROB_FLOOR = -9999.0   # JSON has no -inf: a token the warped distribution excludes gets this
 
 
@@ -179,23 +181,108 @@ class _SamplingRequest(_Request):
         return kwargs
 
 
+# The lists of prompts are bounded in the type too: pydantic tries each branch of the union, and a long
+# list of token ids must fail the branches of many prompts at once (too long), not item by item.
+Prompts = Annotated[list[str], Field(max_length=MAX_CHOICES)]
+TokenPrompts = Annotated[list[list[int]], Field(max_length=MAX_CHOICES)]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | Prompts | list[int] | TokenPrompts
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _at_most_max_choices_prompts(cls, value: Any) -> Any:
+        """A list of prompts longer than a request's choices is refused before its items are validated
+        (or tokenized): each prompt is a choice at least."""
+        if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts per request ({len(value)} given)")
+        return value
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)) \
+            else len(self.prompt)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str   # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(_Request):
+    """An earlier tool call in the conversation (an assistant message's tool_calls)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# Content parts a text-only model cannot take: a clear 400 rather than a silent drop.
+MEDIA_PARTS = ("image_url", "input_audio", "file", "image", "audio", "video", "video_url")
+
 
 class ChatMessage(_Request):
-    model_config = ConfigDict(extra="allow")   # tool_calls, name, ... go to the chat template as given
+    """One message, typed as OpenAI types it; only these fields reach the chat template."""
     role: Role
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None   # a reasoning model's earlier thinking, for templates that show it
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in MEDIA_PARTS:
+                    raise ValueError(f"content[{i}] is an {kind!r} part: this server's model reads text only "
+                                     f"(send {{\"type\": \"text\", \"text\": ...}} parts)")
+        return value
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> "ChatMessage":
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+        if self.role == "function" and self.name is None:
+            raise ValueError("a function message needs the function's name")
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content as one text (parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def num_chars(self) -> int:
+        """Characters the template renders from this message (what a prompt size cap counts)."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.text) + len(self.name or "") + len(self.reasoning_content or "") + calls
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: content as text, unset fields left out."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = self.text
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -224,16 +311,26 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     tools: Any = None   # rendered with the messages, as a chat completion would
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 def request_tools(value: Any) -> list[Function]:
-    """A request's `tools` (unset: none); a 400 names the bad item."""
+    """A request's `tools` (unset: none); a 400 names the bad item. Their number and each schema's
+    depth and size are bounded before anything reads them."""
+    if value is None:
+        return []
     try:
-        return [] if value is None else parse_tools(value)
+        if isinstance(value, list):
+            if len(value) > MAX_TOOLS:
+                raise ValueError(f"tools: at most {MAX_TOOLS} tools, got {len(value)}")
+            for i, tool in enumerate(value):
+                function = tool.get("function") if isinstance(tool, dict) else None
+                if isinstance(function, dict) and "parameters" in function:
+                    check_json_size(function["parameters"], f"tools[{i}].function.parameters")
+        return parse_tools(value)
     except ValueError as exc:
         raise APIError(400, str(exc), param="tools") from None
 
@@ -378,8 +475,21 @@ def _is_union_branch(part: Any) -> bool:
 
 
 def _shown(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str)
+    text = json.dumps(_head(value, limit), ensure_ascii=False, default=str)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _head(value: Any, limit: int, depth: int = 3) -> Any:
+    """The start of a value, enough to show it: a few items of each container a few levels down, so
+    showing a huge or deeply nested value costs little."""
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, list):
+        return [_head(item, limit, depth - 1) for item in value[:8]] if depth else ["..."]
+    if isinstance(value, dict):
+        items = [(key, value[key]) for _, key in zip(range(8), value)]
+        return {str(key): _head(item, limit, depth - 1) for key, item in items} if depth else {"...": "..."}
+    return value
 
 
 def validation_message(errors: list[dict[str, Any]]) -> str:
@@ -391,6 +501,7 @@ def validation_message(errors: list[dict[str, Any]]) -> str:
         return "invalid request"
     locs = [[part for part in error.get("loc", ()) if part != "body"] for error in errors]
     first, loc, msg = errors[0], locs[0], str(errors[0].get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")   # our validators' own messages say what is wrong
     branch = next((i for i, part in enumerate(loc) if _is_union_branch(part)), None)
     if branch is not None:   # the errors of the other branches follow, under the same path
         path = loc[:branch]
@@ -435,11 +546,21 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        detail = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):   # FastAPI's json.loads of a body nested too deeply
+            detail = "the request body nests too deeply to parse"
         # exc.headers carries what the status needs: Allow for a 405
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(error_body(detail, kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception):
-        logger.exception("unexpected error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
-                            status_code=500)
+        error = internal_error(exc, f"{request.method} {request.url.path}")
+        return error.response()
+
+
+def internal_error(exc: BaseException, where: str, what: str = "internal error", code: str = "internal_error"
+                   ) -> APIError:
+    """A 500 that shows the client an id and nothing of the failure; the log has the details under it."""
+    error_id = new_id("err")
+    logger.error("%s, id %s, in %s: %s", what, error_id, where, exc, exc_info=exc)
+    return APIError(500, f"{what}, id {error_id}; see the server log", "server_error", code=code)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.engine import ContextLengthError
 from engine.sampling_params import SamplingParams
@@ -31,6 +32,14 @@ logger = logging.getLogger("specserve.server")
 # Grammar checks run here, not in the default executor that other blocking work shares.
 _GRAMMAR_CHECKS = ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
 
+# Threads for the text work of requests (tokenizing, chat templates, detokenizing, building large
+# responses), so that none of it holds the event loop; a few, so one long prompt delays no other.
+TEXT_WORKERS = 4
+# max_prompt_chars unset: this many characters per token of the context. Any text this long is far
+# past the context (real text runs 3 to 5 characters a token), so the cap refuses it before it is
+# tokenized and never refuses a prompt that would fit.
+PROMPT_CHARS_PER_TOKEN = 32
+
 
 def server_error(exc: Exception) -> p.APIError:
     if isinstance(exc, ShuttingDownError):
@@ -39,7 +48,7 @@ def server_error(exc: Exception) -> p.APIError:
         return p.APIError(503, str(exc), "server_error", code="engine_dead")
     if isinstance(exc, RequestFailedError) and exc.invalid_request:
         return p.APIError(400, str(exc), code="invalid_grammar")
-    return p.APIError(500, f"the engine failed this request: {exc}", "server_error", code="engine_error")
+    return p.internal_error(exc, "the engine", "the engine failed this request", code="engine_error")
 
 
 def _param_in(message: str, names: set[str]) -> str | None:
@@ -53,8 +62,10 @@ class Server:
 
     def __init__(self, engine, tokenizer, served_model_name: str, api_key: str | None, metrics, on_dead=None,
                  max_num_waiting: int | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT,
-                 tool_call_parser: str = "auto"):
+                 tool_call_parser: str = "auto", max_prompt_chars: int | None = None):
         self.async_engine = AsyncEngine(engine, metrics, on_dead)
+        self.max_prompt_chars = max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.info.max_model_len
+        self.text_work = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="specserve-text")
         self.max_num_waiting = max_num_waiting
         self.watchdog_timeout = watchdog_timeout
         self.tokenizer = tokenizer
@@ -96,6 +107,40 @@ class Server:
                                   f"{self.max_num_waiting}); retry later", "rate_limit_error",
                              code="server_overloaded", headers={"Retry-After": "1"})
 
+    def check_num_choices(self, num_prompts: int, n: int) -> None:
+        """prompts x n engine requests: checked from the counts alone, before anything is tokenized."""
+        if num_prompts * n > p.MAX_CHOICES:
+            raise p.APIError(400, f"prompts x n is {num_prompts} x {n}: at most {p.MAX_CHOICES} choices per request",
+                             param="n" if n > 1 else "prompt")
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Text to tokenize is capped (max_prompt_chars) before it is tokenized or rendered."""
+        if num_chars > self.max_prompt_chars:
+            raise p.APIError(400, f"{param}: {num_chars} characters, more than this server takes in one request "
+                                  f"({self.max_prompt_chars}, max_prompt_chars)", param=param,
+                             code="context_length_exceeded")
+
+    def check_prompt_ids(self, ids: list[int], param: str) -> None:
+        """A prompt given as token ids: its length and vocabulary range, checked here rather than after
+        it crossed to the engine core (its length first, so the range check is bounded too)."""
+        limit, vocab_size = self.info.max_model_len, self.info.vocab_size
+        if len(ids) > limit:
+            raise p.APIError(400, f"{param}: {len(ids)} tokens, more than this model's maximum context length "
+                                  f"({limit})", param=param, code="context_length_exceeded")
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise p.APIError(400, f"{param}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                             param=param)
+
+    async def off_loop(self, work: Callable, *args):
+        """work(*args) on a text thread; its exceptions (APIError included) come back here."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_work, functools.partial(work, *args))
+
+    async def respond(self, build: Callable[[], dict]) -> JSONResponse:
+        """A finished request's JSON response, built and serialized on a text thread (n choices with
+        logprobs make a large body)."""
+        return await self.off_loop(lambda: JSONResponse(build()))
+
     def check_speculative_method(self, method: str | None) -> None:
         """A request may pick a proposer only among those the server was configured with."""
         offered = list(self.info.proposers)
@@ -132,9 +177,7 @@ class Server:
     # ---- generation -------------------------------------------------------------------
     def choices(self, prompts: list[list[int]], params: SamplingParams, request: p._SamplingRequest,
                 request_id: str, keep_output: bool = True) -> list[Choice]:
-        if len(prompts) * request.n > p.MAX_CHOICES:
-            raise p.APIError(400, f"prompts x n is {len(prompts)} x {request.n}: at most {p.MAX_CHOICES} choices "
-                                  f"per request", param="n" if request.n > 1 else "prompt")
+        self.check_num_choices(len(prompts), request.n)
         choices = []
         for i, prompt in enumerate(prompts):
             for j in range(request.n):
