@@ -44,7 +44,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     suffix_max_match: int = 24        # suffix: longest context suffix it matches
-    suffix_cache_tokens: int = 1 << 16  # suffix: recent requests' outputs kept for all requests (0: none)
+    suffix_cache_tokens: int = 1 << 16  # suffix: recent requests' outputs kept, all tenants together (0: none)
     suffix_min_prob: float = 0.1      # suffix: stop once the continuation's empirical probability falls below
     suffix_min_score: int = 2         # suffix: draft only when match length x frequency reaches this
     suffix_spec_factor: float = 1.0   # suffix: draft at most this many tokens per matched token (a long

@@ -39,14 +39,15 @@ logger = logging.getLogger("specserve.server")
 def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = None, metrics=None,
                on_dead=None, max_num_waiting: int | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT, tool_call_parser: str = "auto",
-               max_prompt_chars: int | None = None,
+               tenant_header: str | None = None, max_prompt_chars: int | None = None,
                max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN) -> FastAPI:
     """engine: an Engine (its loop runs on a thread of this process) or a started
     server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies.
     max_num_waiting: queued requests past which new ones get a 429 (None: unbounded);
     max_body_size: bytes of a request body past which it is a 413, unread; watchdog_timeout: seconds
     without a finished step, while requests wait, after which /health answers 503; tool_call_parser:
-    how the model writes tool calls (server/tools.py; auto: from its chat template);
+    how the model writes tool calls (server/tools.py; auto: from its chat template); api_key (one key or
+    several separated by commas) and tenant_header: what names a request's tenant (server/middleware.py);
     max_prompt_chars: characters of prompt text one request may send (None: 32 per token of the context);
     max_tool_calls_per_turn: distinct tool calls after which a choice ends (server/tool_stream.py)."""
     server = Server(engine, tokenizer, served_model_name, api_key, metrics, on_dead, max_num_waiting,
@@ -64,7 +65,7 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
     app.state.server = server
     p.install_error_handlers(app)
     # Authentication runs before the body is read, the size limit before it is parsed.
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_size=max_body_size)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_size=max_body_size, tenant_header=tenant_header)
     _add_routes(app, server)
     p.document_errors(app)
     return app

@@ -101,8 +101,9 @@ def serve(config: ServerConfig) -> int:
 
     app = create_app(engine, tokenizer, config.served_model_name, config.api_key, metrics, on_dead,
                      config.max_num_waiting, config.max_body_size, config.watchdog_timeout,
-                     config.tool_call_parser, max_tool_calls_per_turn=config.max_tool_calls_per_turn,
-                     max_prompt_chars=config.max_prompt_chars)
+                     config.tool_call_parser, tenant_header=config.tenant_header,
+                     max_prompt_chars=config.max_prompt_chars,
+                     max_tool_calls_per_turn=config.max_tool_calls_per_turn)
     host = f"[{config.host}]" if ":" in config.host else config.host
     logger.info("specserve: model=%s served as %r, dtype=%s, device=%s, kv_blocks=%d x %d tokens, "
                 "max_model_len=%d, speculative=%s (gamma %d), engine=%s (%d threads), auth=%s, url=http://%s:%d/v1",

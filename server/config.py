@@ -45,7 +45,8 @@ class ServerConfig:
     tokenizer: str
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = None          # one key, or several separated by commas (each its own tenant)
+    tenant_header: str | None = None    # a header naming the request's tenant (set by a gateway in front)
     log_level: str = "info"
     engine_core: str = "process"        # where Engine.step() runs: its own process, or a thread of the API's
     engine_threads: int | None = None   # the engine's compute threads (None: every core this process may use)
@@ -90,8 +91,17 @@ class ServerConfig:
                               f"{self.tool_call_parser!r}")
         if self.max_tool_calls_per_turn < 1:
             raise ConfigError(f"max_tool_calls_per_turn must be at least 1, got {self.max_tool_calls_per_turn}")
-        if self.api_key == "":
-            raise ConfigError("api_key must not be empty (leave it unset to turn authentication off)")
+        if self.api_key is not None and not all(split_api_keys(self.api_key)):
+            raise ConfigError("api_key must not be empty, nor hold an empty key between commas (leave it unset "
+                              "to turn authentication off)")
+        if self.tenant_header is not None and not re.fullmatch(r"[A-Za-z0-9-]+", self.tenant_header):
+            raise ConfigError(f"tenant_header must be a header name (letters, digits and '-'), got "
+                              f"{self.tenant_header!r}")
+
+
+def split_api_keys(api_key: str | None) -> tuple[str, ...]:
+    """The keys of an api_key setting: none, one, or several separated by commas."""
+    return () if api_key is None else tuple(key.strip() for key in api_key.split(","))
 
 
 # ---- value parsers: each takes a YAML value or an env/flag string ------------------------
@@ -139,6 +149,16 @@ def parse_size(value: Any) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def _parse_api_keys(value: Any) -> str:
+    """One key, several separated by commas, or (in YAML) a list of keys: kept comma-separated."""
+    if isinstance(value, list):
+        keys = [_parse_str(key) for key in value]
+        if any("," in key for key in keys):
+            raise ValueError("a key in a list of keys must not contain a comma")
+        return ",".join(keys)
+    return _parse_str(value)
+
+
 def _parse_mapping(value: Any) -> dict:
     if isinstance(value, str):
         try:
@@ -174,8 +194,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("tokenizer", _parse_str, "tokenizer directory (default: the model's)", "PATH"),
     Option("host", _parse_str, "address to listen on (default 127.0.0.1)", "HOST"),
     Option("port", _parse_int, "port to listen on (default 8000)", "PORT"),
-    Option("api_key", _parse_str, "require 'Authorization: Bearer KEY' on every endpoint but /health and "
-           "/metrics (default: no authentication)", "KEY"),
+    Option("api_key", _parse_api_keys, "require 'Authorization: Bearer KEY' on every endpoint but /health and "
+           "/metrics; several keys separated by commas (a list in YAML), each a tenant of its own whose prefix "
+           "cache and suffix cache no other key reads (default: no authentication)", "KEY[,KEY...]"),
+    Option("tenant_header", _parse_str, "a request header naming the request's tenant, for a gateway in front "
+           "that authenticates (e.g. X-Tenant-Id): requests carrying it share the prefix cache and suffix cache "
+           "with its value's other requests only; without it, the API key is the tenant (default: none)", "NAME"),
+    Option("share_caches_across_tenants", _parse_bool, "one prefix cache and suffix cache for every tenant, for "
+           "deployments whose keys are all one client's (default false: each API key or tenant header value has "
+           "its own)", "BOOL"),
     Option("speculative", _parse_mapping, "speculative decoding as a JSON object, e.g. "
            "'{\"method\": \"draft\", \"model\": \"models/draft\", \"num_speculative_tokens\": 4}' "
            "(keys: " + ", ".join(f.name for f in fields(SpeculativeConfig)) + "; merged over the config file's)",
@@ -248,7 +275,7 @@ YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
                "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout", "shutdown_timeout",
                "limit_concurrency", "timeout_keep_alive", "header_timeout", "body_timeout",
-               "tool_call_parser", "max_tool_calls_per_turn", "max_prompt_chars")
+               "tool_call_parser", "max_tool_calls_per_turn", "max_prompt_chars", "tenant_header")
 
 
 def _parse(option: Option, value: Any, source: str) -> Any:

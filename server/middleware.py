@@ -1,29 +1,49 @@
-"""ASGI middleware in front of the routes: authentication before the body is read, and a body-size
-limit before it is parsed.
+"""ASGI middleware in front of the routes: authentication before the body is read, a body-size
+limit before it is parsed, and the request's tenant.
 
-A request without the right key is answered 401 before a byte of its body is read, and a body over
+A request without one of the keys is answered 401 before a byte of its body is read, and a body over
 `max_body_size` is a 413 as soon as its Content-Length (or, sent in chunks, its running size) says
 so: neither costs the server more than the bytes it has already seen.
+
+The tenant is whose prefix cache and suffix cache a request shares (engine/kv_cache.py,
+engine/spec_decode/suffix.py): the value of the configured `tenant_header` when a request carries it
+(a gateway in front authenticates), else the API key it came with; a digest of it, so the key itself
+never reaches the engine. With neither, every request is the same tenant (None). It travels in
+`request_tenant`, a context variable the routes' code reads when it builds SamplingParams.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+from contextvars import ContextVar
 
+from server.config import split_api_keys
 from server.protocol import error_body
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})   # probes and scrapers send no key
 
+request_tenant: ContextVar[str | None] = ContextVar("request_tenant", default=None)
+
+
+def tenant_digest(source: bytes, value: bytes) -> str:
+    """A tenant's name inside the server: a key and a header value never name the same tenant."""
+    return hashlib.sha256(source + b"\0" + value).hexdigest()
+
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_size: int):
-        self.app, self.api_key, self.max_body_size = app, api_key, max_body_size
+    def __init__(self, app, api_key: str | None, max_body_size: int, tenant_header: str | None = None):
+        """api_key: one key, several separated by commas, or None (no authentication)."""
+        self.app, self.max_body_size = app, max_body_size
+        self.api_keys = tuple(key.encode() for key in split_api_keys(api_key))
+        self.tenant_header = tenant_header.lower().encode() if tenant_header else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in PUBLIC_PATHS and not self._authorized(headers):
+        key = self._presented_key(headers)
+        if self.api_keys and key is None and scope["path"] not in PUBLIC_PATHS:
             return await self._reply(send, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                      "authentication_error", "invalid_api_key",
                                      headers=[(b"www-authenticate", b"Bearer")])
@@ -52,11 +72,28 @@ class GuardMiddleware:
             replayed = True
             return {"type": "http.request", "body": b"".join(body), "more_body": False}
 
-        await self.app(scope, replay, send)
+        tenant = request_tenant.set(self._tenant(headers, key))
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            request_tenant.reset(tenant)
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+    def _presented_key(self, headers: dict[bytes, bytes]) -> bytes | None:
+        """The configured key the request's bearer token equals, or None. Every key is compared, each
+        in constant time, so the time taken tells nothing about which key came close."""
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() != "bearer":
+            return None
+        token_bytes, match = token.strip().encode("latin-1"), None
+        for key in self.api_keys:
+            if hmac.compare_digest(token_bytes, key):
+                match = key
+        return match
+
+    def _tenant(self, headers: dict[bytes, bytes], key: bytes | None) -> str | None:
+        if self.tenant_header is not None and self.tenant_header in headers:
+            return tenant_digest(b"header", headers[self.tenant_header])
+        return None if key is None else tenant_digest(b"api key", key)
 
     async def _too_large(self, send) -> None:
         await self._reply(send, 413, f"the request body is larger than this server's limit of "

@@ -25,6 +25,7 @@ from server.async_engine import (
     AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError, ShuttingDownError,
 )
 from server.config import DEFAULT_WATCHDOG_TIMEOUT
+from server.middleware import request_tenant
 from server.tools import choose_parser, template_renders_tools
 from engine.tokenizer import TextStream, TokenStrings
 
@@ -161,7 +162,7 @@ class Server:
             self.check_speculative_method(request.speculative.method)
         request.check_limits()
         try:
-            return SamplingParams(**fields, **request.sampling_kwargs())
+            return SamplingParams(**fields, **request.sampling_kwargs(), tenant=request_tenant.get())
         except ValueError as exc:
             raise p.APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
 

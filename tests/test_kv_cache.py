@@ -137,3 +137,53 @@ def test_empty_blocks_are_reused_before_cached_ones():
     assert pool.allocate(fresh, 12)            # three blocks: two trimmed ones and the never-used one
     assert pool.match_prefix(list(range(9))) == [0, 1], "a cached prefix was evicted before empty blocks"
     pool.check_invariants([scratch, fresh])
+
+
+# ---- tenants -------------------------------------------------------------------------------------
+
+def test_a_tenants_blocks_match_only_that_tenants_prefixes():
+    """The chain starts at the tenant's root, so the same tokens cached for one tenant are a miss for
+    any other (and for no tenant), while the tenant itself reuses them as before."""
+    pool = BlockPool(num_blocks=16, block_size=4)
+    tokens = list(range(13))
+    alice = []
+    pool.allocate(alice, len(tokens))
+    pool.cache_full_blocks(alice, alice_hashes := [], tokens, num_final_tokens=13, tenant="alice")
+    assert pool.match_prefix(tokens, tenant="alice") == alice[:3]
+    assert pool.match_prefix(tokens, tenant="bob") == []
+    assert pool.match_prefix(tokens) == []
+    # Bob computes the same prompt: his own blocks, published beside Alice's, each tenant hitting its own.
+    bob = []
+    pool.allocate(bob, len(tokens))
+    pool.cache_full_blocks(bob, bob_hashes := [], tokens, num_final_tokens=13, tenant="bob")
+    assert not set(alice_hashes) & set(bob_hashes)
+    assert pool.match_prefix(tokens, tenant="bob") == bob[:3]
+    assert pool.match_prefix(tokens, tenant="alice") == alice[:3]
+    pool.check_invariants([alice, bob])
+
+
+def test_a_tenants_chain_is_salted_from_its_first_block():
+    from engine.kv_cache import chain_hash, chain_root
+    assert chain_root(None) is None
+    assert chain_root("alice") != chain_root("bob") and len(chain_root("alice")) == 32
+    assert chain_root("alice") == chain_root("alice")
+    pool = BlockPool(num_blocks=4, block_size=4)
+    table = []
+    pool.allocate(table, 8)
+    pool.cache_full_blocks(table, hashes := [], list(range(8)), num_final_tokens=8, tenant="alice")
+    assert hashes[0] == chain_hash(chain_root("alice"), [0, 1, 2, 3]) != chain_hash(None, [0, 1, 2, 3])
+    assert hashes[1] == chain_hash(hashes[0], [4, 5, 6, 7])
+
+
+def test_a_tenant_cannot_reach_another_tenants_blocks_through_a_collision(monkeypatch):
+    """Even with every hash equal, a hit is checked against the block's parent: the first block's
+    parent is its tenant's root, so another tenant's block is never handed out."""
+    import engine.kv_cache as kv_cache
+    monkeypatch.setattr(kv_cache, "chain_hash", lambda parent, tokens: b"collision")
+    pool = BlockPool(num_blocks=8, block_size=4)
+    alice = []
+    pool.allocate(alice, 9)
+    pool.cache_full_blocks(alice, [], list(range(9)), num_final_tokens=8, tenant="alice")
+    assert pool.match_prefix(list(range(9)), tenant="alice") == alice[:1]
+    assert pool.match_prefix(list(range(9)), tenant="bob") == []
+    pool.check_invariants([alice])

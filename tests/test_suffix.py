@@ -133,8 +133,9 @@ def test_updates_are_incremental():
     assert sum(len(p) for p in index.ends.values()) - before == 3
 
 
-def _request(rid: str, prompt: list[int]) -> Request:
-    return Request(rid, list(prompt), len(prompt), SamplingParams(max_tokens=64), arrival_time=0.0, generator=None)
+def _request(rid: str, prompt: list[int], tenant: str | None = None) -> Request:
+    return Request(rid, list(prompt), len(prompt), SamplingParams(max_tokens=64), arrival_time=0.0, generator=None,
+                   tenant=tenant)
 
 
 def test_proposer_shares_finished_outputs_across_requests():
@@ -150,6 +151,54 @@ def test_proposer_shares_finished_outputs_across_requests():
     assert proposer.max_drafts(second, 4) == 4
     assert proposer.draft(second, 4).token_ids == [42, 43, 44, 45]
     assert proposer.max_drafts(second, 2) == 2   # never more than the limit, even from a cached lookup
+
+
+def _finish(proposer: SuffixProposer, request: Request, output: list[int]) -> None:
+    proposer.max_drafts(request, 4)
+    request.token_ids.extend(output)
+    proposer.on_verified(request)
+    proposer.on_finish(request.request_id)
+
+
+def test_a_tenant_drafts_only_from_its_own_tenants_outputs():
+    """Alice's finished output serves Alice's next request, never Bob's nor a request without a
+    tenant: what Bob is offered (and so his counters) is what he would get had Alice never asked."""
+    proposer = SuffixProposer(max_match=16, cache_tokens=1000, min_prob=0.1, min_score=2, spec_factor=2.0)
+    answer = [40, 41, 42, 43, 44, 45, 46, 47]
+    _finish(proposer, _request("a", [1, 2, 3], tenant="alice"), answer)
+    copying = [9, 9, 40, 41]
+    assert proposer.max_drafts(_request("b", copying, tenant="bob"), 4) == 0
+    assert proposer.max_drafts(_request("c", copying), 4) == 0
+    assert proposer.draft(_request("d", copying, tenant="alice"), 4).token_ids == [42, 43, 44, 45]
+    # Bob's own outputs serve Bob.
+    _finish(proposer, _request("e", [1, 2, 3], tenant="bob"), [40, 41, 50, 51, 52, 53])
+    assert proposer.draft(_request("f", copying, tenant="bob"), 4).token_ids == [50, 51, 52, 53]
+    assert proposer.draft(_request("g", copying, tenant="alice"), 4).token_ids == [42, 43, 44, 45]
+
+
+def test_a_flood_of_tenants_stays_within_the_cap():
+    """Thousands of tenants with an output each: the cache holds the newest outputs of all tenants
+    together within its cap, and no index for a tenant whose outputs are all gone."""
+    rng = random.Random(2)
+    cache = SharedSuffixCache(max_tokens=500)
+    added = []
+    for i in range(3000):
+        tenant = f"tenant-{rng.randrange(2000)}"
+        document = [rng.randrange(50) for _ in range(rng.randrange(1, 60))]
+        cache.add(tenant, document)
+        added.append((tenant, document))
+        assert cache.num_tokens <= 500
+        assert len(cache.indexes) <= len(cache.document_tenants) <= 500
+    entries = sum(len(p) for index in cache.indexes.values() for p in index.ends.values())
+    assert entries <= 3 * cache.num_tokens   # one entry per q-gram end: memory is O(cap) however many tenants
+    newest = added[-len(cache.document_tenants):]
+    assert sum(len(d) for _, d in newest) == cache.num_tokens
+    assert list(cache.document_tenants) == [t for t, _ in newest]
+    assert set(cache.indexes) == {t for t, _ in newest}
+    for tenant, index in cache.indexes.items():   # each tenant's index: exactly its newest outputs
+        fresh = index_of(*[d for t, d in newest if t == tenant])
+        assert {k: list(v) for k, v in fresh.ends.items()} == \
+            {k: [p - index.base for p in v] for k, v in index.ends.items()}
 
 
 def test_config_validation():
