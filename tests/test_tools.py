@@ -298,6 +298,70 @@ def test_auto_parses_calls_out_of_the_text_streamed_or_not(hermes):
     assert none.message.content == SCRIPTED and not none.message.tool_calls and none.finish_reason == "stop"
 
 
+LIMA = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "unit": "f"}}\n</tool_call>'
+TWO = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": true}}\n</tool_call>'
+LIMA_AGAIN = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "f", "city": "Lima"}}\n</tool_call>'
+AFTER = '\n<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": false}}\n</tool_call>\nAnd on, and on.'
+
+
+def test_a_repeated_call_ends_the_choice_streamed_or_not(hermes):
+    """The model is made to write two calls, the first again (its keys in another order), then more:
+    the repeat is dropped and ends the choice there (finish_reason tool_calls), as a stop string
+    would; nothing after it is returned. Without parallel calls the first call ends it."""
+    import httpx
+
+    url, client = hermes
+    script = f"{LIMA}\n{TWO}\n{LIMA_AGAIN}{AFTER}"
+    forced = {"structured_outputs": {"grammar": f"start: {json.dumps(script)}"}}
+
+    def num_tokens(text: str) -> int:
+        return httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["count"]
+
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
+                                              extra_body=forced)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, call_args(c)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Lima", "unit": "f"}), ("add", {"a": 2, "b": True})]
+    assert response.usage.completion_tokens <= num_tokens(f"{LIMA}\n{TWO}\n{LIMA_AGAIN}") + 1 < num_tokens(script)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, stream=True,
+                                                 extra_body=forced))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    firsts = [d for d in deltas if d.id is not None]
+    assert [(d.index, d.function.name) for d in firsts] == [(0, "get_weather"), (1, "add")]
+    assert [json.loads("".join(d.function.arguments for d in deltas if d.index == i)) for i in (0, 1)] == [
+        {"city": "Lima", "unit": "f"}, {"a": 2, "b": True}]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    single = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
+                                            parallel_tool_calls=False, extra_body=forced)
+    assert single.choices[0].finish_reason == "tool_calls" and len(single.choices[0].message.tool_calls) == 1
+    assert single.usage.completion_tokens <= num_tokens(LIMA) + 1
+    ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4)   # the server goes on
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_takes_a_bare_call_in_doubled_braces_streamed_or_not(hermes):
+    """What Qwen2.5-Coder-1.5B wrote for the openai-agents SDK: the call as plain content, no markers,
+    the doubled braces of its template's text."""
+    _, client = hermes
+    bare = '{{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}'
+    forced = {"structured_outputs": {"grammar": f"start: {json.dumps(bare)}"}}
+    full = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
+                                          extra_body=forced).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content is None
+    assert [(c.function.name, call_args(c)) for c in full.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, stream=True,
+                                                 extra_body=forced))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]   # held until the object ended, then whole
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
 def test_a_tool_round_trip(hermes):
     url, client = hermes
     first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
