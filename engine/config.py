@@ -163,6 +163,7 @@ class EngineConfig:
     cuda_graphs: bool = False             # decode and verification passes replayed as CUDA graphs (GPU only)
     quantization: str = "auto"            # auto | none | bf16 | int8 | gguf: weight-only formats of the linears (CPU)
     tensor_parallel_size: int = 1         # the target sharded over this many processes (engine/tensor_parallel.py)
+    tensor_parallel_timeout: float = 60.0   # seconds a collective waits for a worker before the group is dead
     load_format: str = "auto"             # auto: read the weights | dummy: random ones of the config's shapes
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
@@ -188,6 +189,8 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout must be > 0, got {self.tensor_parallel_timeout!r}")
         if size == 1:
             return
         if self.quantization not in ("auto", "none"):

@@ -9,8 +9,11 @@ rank's KV cache holds its own KV heads under the block tables rank 0 allocates.
 
 Ranks 1..N-1 are launched by rank 0 as `python -m engine.tensor_parallel` subprocesses on this node
 (start_group), or by torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, `env://`). gloo on
-CPU, NCCL on CUDA. Any failure of a pass, or a worker that exits, leaves the group out of step:
-WorkerGroupError, which the engine treats as fatal (EngineDeadError).
+CPU, NCCL on CUDA. Any failure of a pass, a worker that exits, or one that does not take part in a
+collective within tensor_parallel_timeout seconds (stopped, hung) leaves the group out of step:
+WorkerGroupError, which the engine treats as fatal (EngineDeadError), and every waiting client is
+answered. On CUDA, NCCL's watchdog enforces the same timeout on the passes' collectives by ending
+the process, which the server reports the same way.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from engine.models.parallel import TensorParallel
 
 STOP, FORWARD, MOVE_KV, SIZES = range(4)
 ITEM_FIELDS = 6   # per item: tokens, start_pos, table length, num_logits, tree rows, tree cols
-# A worker waits in a broadcast between passes, however long the server idles.
+# A worker waits in the channel's broadcast between passes, however long the server idles; so does
+# rank 0 for the workers to load their shards.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -84,26 +88,33 @@ def decode_move(flat: np.ndarray) -> tuple[list[int], list[int], list[int]]:
 # ---- the channel: one broadcast of the kind and size, one of the payload ------------------
 
 class Channel:
-    """Rank 0 sends, the workers receive, in the same order (torch.distributed broadcasts)."""
+    """Rank 0 sends, the workers receive, in the same order (torch.distributed broadcasts over a
+    group whose wait is unbounded: a worker waits there for the next pass).
+    Rank 0 waits `timeout` seconds at most for the workers to take a message: a broadcast completes
+    only when every worker receives it, so a stopped or hung worker is a WorkerGroupError."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, group, timeout: float):
         self.device = device   # NCCL broadcasts device tensors; gloo CPU ones
+        self.group, self.timeout = group, datetime.timedelta(seconds=timeout)
 
-    def send(self, kind: int, payload: np.ndarray) -> None:
+    def send(self, kind: int, payload: np.ndarray, timeout: datetime.timedelta | None = None) -> None:
         try:
-            dist.broadcast(torch.tensor([kind, len(payload)], dtype=torch.int64, device=self.device), src=0)
+            self._broadcast(torch.tensor([kind, len(payload)], dtype=torch.int64, device=self.device), timeout)
             if len(payload):
-                dist.broadcast(torch.from_numpy(payload).to(self.device), src=0)
-        except Exception as exc:   # a dead peer: gloo raises on the closed connection
-            raise WorkerGroupError(f"a tensor-parallel worker is gone: {type(exc).__name__}: {exc}") from exc
+                self._broadcast(torch.from_numpy(payload).to(self.device), timeout)
+        except Exception as exc:   # a dead peer (gloo raises on the closed connection), or one past the timeout
+            raise WorkerGroupError(f"a tensor-parallel worker is gone or stuck: {type(exc).__name__}: {exc}") from exc
+
+    def _broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None) -> None:
+        dist.broadcast(tensor, src=0, group=self.group, async_op=True).wait(timeout or self.timeout)
 
     def receive(self) -> tuple[int, np.ndarray]:
         head = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.broadcast(head, src=0)
+        dist.broadcast(head, src=0, group=self.group)
         kind, size = head.tolist()
         payload = torch.empty(size, dtype=torch.int64, device=self.device)
         if size:
-            dist.broadcast(payload, src=0)
+            dist.broadcast(payload, src=0, group=self.group)
         return kind, payload.cpu().numpy()
 
 
@@ -112,8 +123,8 @@ class ParallelRunner(ModelRunner):
     A pass that fails here may have left the workers inside a collective: the group is then
     unusable, so every failure is a WorkerGroupError."""
 
-    def attach(self, channel: Channel, workers: "WorkerSet") -> None:
-        self.channel, self.workers = channel, workers
+    def attach(self, workers: "WorkerSet") -> None:
+        self.channel, self.workers = workers.channel, workers
         self.decode_grid = None   # a grid's passes would skip the broadcast
 
     def enable_decode_grid(self, *args, **kwargs) -> None:
@@ -167,18 +178,22 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-def join_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallel:
+def join_group(rank: int, world_size: int, init_method: str, device: torch.device,
+               timeout: float) -> tuple[TensorParallel, Channel]:
+    """Join the group and its channel. The default group (the rendezvous, the channel) waits without
+    limit; the passes' collectives run in a group of their own that waits `timeout` seconds at most."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=IDLE_TIMEOUT)
-    return TensorParallel(rank, world_size)
+    passes = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    return TensorParallel(rank, world_size, passes), Channel(device, None, timeout)
 
 
 class WorkerSet:
-    """The worker subprocesses rank 0 launched (none under torchrun)."""
+    """The worker subprocesses rank 0 launched (none under torchrun), and the channel to every worker."""
 
-    def __init__(self, processes: list[subprocess.Popen]):
-        self.processes = processes
+    def __init__(self, processes: list[subprocess.Popen], channel: Channel):
+        self.processes, self.channel = processes, channel
 
     def check(self) -> None:
         dead = [(i + 1, p.returncode) for i, p in enumerate(self.processes) if p.poll() is not None]
@@ -186,11 +201,11 @@ class WorkerSet:
             raise WorkerGroupError("tensor-parallel worker(s) exited: " +
                                    ", ".join(f"rank {rank} (exit code {code})" for rank, code in dead))
 
-    def stop(self, channel: Channel, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         """Tell the workers to stop and wait for them; kill those that do not."""
         try:
             self.check()
-            channel.send(STOP, np.zeros(0, dtype=np.int64))
+            self.channel.send(STOP, np.zeros(0, dtype=np.int64), datetime.timedelta(seconds=timeout))
         except WorkerGroupError:
             pass
         deadline = time.monotonic() + timeout
@@ -203,9 +218,10 @@ class WorkerSet:
 
 def start_group(config, device: torch.device) -> tuple[TensorParallel, WorkerSet]:
     """Rank 0 joins the group, first launching ranks 1..N-1 on this node unless torchrun did."""
-    world_size = config.tensor_parallel_size
+    world_size, timeout = config.tensor_parallel_size, config.tensor_parallel_timeout
     if torchrun_rank() is not None:
-        return join_group(0, world_size, "env://", device), WorkerSet([])
+        tp, channel = join_group(0, world_size, "env://", device, timeout)
+        return tp, WorkerSet([], channel)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
     processes = []
@@ -215,15 +231,17 @@ def start_group(config, device: torch.device) -> tuple[TensorParallel, WorkerSet
         process.stdin.write(pickle.dumps(config))
         process.stdin.close()
         processes.append(process)
-    return join_group(0, world_size, init_method, device), WorkerSet(processes)
+    tp, channel = join_group(0, world_size, init_method, device, timeout)
+    return tp, WorkerSet(processes, channel)
 
 
 def finish_setup(runner: ParallelRunner, workers: WorkerSet, num_blocks: int, block_size: int) -> None:
-    """Give the workers the KV cache's size (they build their runners on it) and stop them at exit."""
-    channel = Channel(runner.device)
-    runner.attach(channel, workers)
-    channel.send(SIZES, np.asarray([num_blocks, block_size, int(runner.use_flash)], dtype=np.int64))
-    atexit.register(workers.stop, channel)
+    """Give the workers the KV cache's size (they build their runners on it, once their shards are
+    loaded: no timeout) and stop them at exit."""
+    runner.attach(workers)
+    workers.channel.send(SIZES, np.asarray([num_blocks, block_size, int(runner.use_flash)], dtype=np.int64),
+                         IDLE_TIMEOUT)
+    atexit.register(workers.stop)
 
 
 def worker_main(rank: int, world_size: int, init_method: str, config, parent_pid: int | None = None) -> None:
@@ -234,10 +252,9 @@ def worker_main(rank: int, world_size: int, init_method: str, config, parent_pid
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
     device = rank_device(resolve_device(config.device), rank)
-    tp = join_group(rank, world_size, init_method, device)
+    tp, channel = join_group(rank, world_size, init_method, device, config.tensor_parallel_timeout)
     dtype = tensor_parallel_dtype(config, load_hf_config(config.model), device)
     model = load_model(config.model, dtype, device, tensor_parallel=tp, random_weights=config.load_format == "dummy")
-    channel = Channel(device)
     kind, sizes = channel.receive()
     if kind == STOP:
         return

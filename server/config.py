@@ -268,6 +268,9 @@ OPTIONS: tuple[Option, ...] = (
            "or its next request's first byte; then a 408 and the connection closed (default 10)", "SECONDS"),
     Option("body_timeout", _parse_float, "seconds a request's body has to arrive after its head; then a 408 and "
            "the connection closed (default 60)", "SECONDS"),
+    Option("tensor_parallel_timeout", _parse_float, "seconds a tensor-parallel collective may wait for a worker "
+           "before the engine is declared dead (a dead or stopped worker; default 60, far above any pass)",
+           "SECONDS"),
 )
 OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
 # Spelled as in EngineConfig; accepted in YAML files as an alias.

@@ -320,3 +320,86 @@ def test_a_worker_dying_while_the_server_is_idle_turns_health_503(engine_target,
     finally:
         server.stop()
     assert "tensor-parallel worker(s) exited" in server.log()
+
+
+# ---- a stopped or hung worker: the collectives' timeout ---------------------------------------------
+
+def _rank_zero_meets_a_stuck_worker(rank, port, out_file):
+    import os
+    import time
+
+    import numpy as np
+
+    from engine.tensor_parallel import FORWARD, WorkerGroupError, join_group
+
+    torch.set_num_threads(1)
+    tp, channel = join_group(rank, 2, f"tcp://127.0.0.1:{port}", CPU, timeout=1.0)
+    if rank == 1:
+        channel.receive()   # takes one pass, then takes part in nothing more (as if stopped)
+        time.sleep(8)
+        os._exit(0)
+    channel.send(FORWARD, np.arange(5))
+    outcomes = []
+    next_pass = lambda: channel.send(FORWARD, np.arange(5))   # noqa: E731
+    all_reduce = lambda: dist.all_reduce(torch.ones(3), group=tp.group)   # noqa: E731
+    for attempt in (next_pass, all_reduce):
+        started = time.monotonic()
+        try:
+            attempt()
+            outcomes.append(("returned", time.monotonic() - started, ""))
+        except (WorkerGroupError, RuntimeError) as exc:
+            outcomes.append((type(exc).__name__, time.monotonic() - started, str(exc)))
+    torch.save(outcomes, out_file)
+    os._exit(0)
+
+
+def test_a_stuck_worker_fails_rank_zeros_collectives_within_the_timeout(tmp_path):
+    """With tensor_parallel_timeout 1 s, rank 0's next message to a worker that stopped taking part
+    is a WorkerGroupError after about a second, and so is a pass's all-reduce: neither waits for ever."""
+    out_file = tmp_path / "outcomes.pt"
+    mp.spawn(_rank_zero_meets_a_stuck_worker, args=(free_port(), str(out_file)), nprocs=2, join=True)
+    (send, send_s, message), (reduce, reduce_s, _) = torch.load(out_file)
+    assert send == "WorkerGroupError" and "gone or stuck" in message and 0.9 <= send_s < 5, (send, send_s, message)
+    assert reduce == "RuntimeError" and 0.9 <= reduce_s < 5, (reduce, reduce_s)
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_answers_the_waiting_client_within_the_timeout(engine_target, tmp_path):
+    """A worker stopped (SIGSTOP) during a stream: after tensor_parallel_timeout the engine is dead, the
+    stream ends with an engine_dead error event, /health is no longer 200 and the server exits 1."""
+    import os
+    import signal
+    import time
+
+    import httpx
+    from conftest import sse_events
+
+    server = tp_server(engine_target, tmp_path, "--tensor-parallel-timeout", "3")
+    worker = None
+    try:
+        server.wait_ready()
+        (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
+        body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 480, "ignore_eos": True, "stream": True,
+                "temperature": 0.0}
+        with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))   # streaming
+            os.kill(worker, signal.SIGSTOP)
+            stopped = time.monotonic()
+            rest = sse_events(lines)
+            answered = time.monotonic() - stopped
+        assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "engine_dead", rest[-3:]
+        assert answered < 3 + 10, answered
+        try:
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass   # already gone
+        assert server.process.wait(60) == 1
+    finally:
+        if worker is not None:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.stop()
+    assert "gone or stuck" in server.log() or "a tensor-parallel pass failed" in server.log()
