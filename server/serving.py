@@ -52,6 +52,9 @@ def server_error(exc: Exception) -> p.APIError:
     return p.internal_error(exc, "the engine", "the engine failed this request", code="engine_error")
 
 
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
 def _param_in(message: str, names: set[str]) -> str | None:
     """The request field a ValueError's message starts with ("speculative.method ..." -> speculative)."""
     first = message.split(" ", 1)[0].split(".", 1)[0]
@@ -212,8 +215,9 @@ class Server:
             await generation.start()
         except ContextLengthError as exc:
             raise p.APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
-        except ValueError as exc:
-            raise p.APIError(400, str(exc), param=prompt_param) from None
+        except ValueError as exc:   # the prompt's, or a setting checked against the model (top_k, stop_token_ids)
+            param = _param_in(str(exc), SAMPLING_FIELDS) or prompt_param
+            raise p.APIError(400, str(exc), param=param) from None
         except EngineDeadError as exc:
             raise server_error(exc) from None
         structured = choices[0].params.structured if choices else None

@@ -1,9 +1,10 @@
 """Faults and shutdown, in the engine and in real `specserve serve` processes.
 
-- a failed step is rerun request by request: only the request that fails alone is failed, and the
-  others' output is what it would have been without it;
-- a device error, or max_step_failures steps in a row that fail every request in them, kills the
-  engine: in-flight requests get errors, /health answers 503 and the server exits 1;
+- a failed step is bisected: only the request that fails alone is failed, and the others' output
+  is what it would have been without it; such failures never count against the engine;
+- a device error, or max_step_failures failed steps in a row whose canary pass (the engine's own)
+  failed too, kills the engine: in-flight requests get errors, /health answers 503 and the server
+  exits 1;
 - SIGTERM drains: new requests get 503 at once, requests in flight run for up to
   shutdown_timeout, the rest end with an error event and [DONE], and the process exits 0.
 
@@ -113,14 +114,36 @@ def test_the_reruns_of_a_failed_step_teach_acceptance_but_not_step_costs(tiny_pa
 
 
 
-def test_steps_that_fail_everyone_kill_the_engine(tiny_pair, monkeypatch):
+def test_requests_that_fail_alone_never_count_against_the_engine(tiny_pair, monkeypatch):
     engine = make_engine(tiny_pair, max_step_failures=2)
-    inject(monkeypatch, lambda scheduled: any(s.request.token_ids[0] == POISON for s in scheduled))
-    assert run(engine, PROMPTS[:1])["0"][1] == "error" and engine.num_failed_steps == 1
-    assert run(engine, PROMPTS[1:2])["0"][1] == "length" and engine.num_failed_steps == 0   # a success resets
-    assert run(engine, PROMPTS[:1])["0"][1] == "error"
-    engine.add_request("last", PROMPTS[0], GREEDY)
-    with pytest.raises(EngineDeadError, match="2 engine steps in a row"):
+    failed = inject(monkeypatch, lambda scheduled: any(s.request.token_ids[0] == POISON for s in scheduled))
+    for _ in range(3):   # more than max_step_failures in a row, which used to kill it
+        assert run(engine, PROMPTS[:1])["0"][1] == "error" and engine.num_failed_steps == 0
+    results = run(engine, PROMPTS[:2])   # beside a good request
+    assert results["0"][1] == "error" and results["1"][1] == "length" and engine.num_failed_steps == 0
+    assert failed == [1, 1, 1, 2, 1]   # alone: no rerun; in a batch of two: the batch, then it alone
+
+
+def test_an_engine_whose_every_pass_fails_dies_after_max_step_failures(tiny_pair, monkeypatch):
+    """When the canary pass fails too, the engine is at fault: the step counts, its requests wait for
+    the next step unharmed (a step that passes resets the count), and max_step_failures such steps
+    in a row kill the engine."""
+    engine = make_engine(tiny_pair, max_step_failures=2)
+    want = run(engine, PROMPTS[1:2])["0"]
+    broken = [True]
+    failed = inject(monkeypatch, lambda scheduled: broken[0])
+    counts = []
+
+    def heal(engine):
+        counts.append(engine.num_failed_steps)
+        broken[0] = False
+    tokens, finals = run_requests(engine, PROMPTS[1:2], GREEDY, after_step=heal)
+    assert (tokens[0], finals[0].finish_reason, finals[0].error) == want
+    assert counts[0] == 1 and counts[-1] == 0 and failed == [1, 1]   # the step's pass, then the canary's
+    broken[0] = True
+    engine.add_request("last", PROMPTS[1], GREEDY)
+    assert engine.step() == [] and engine.num_failed_steps == 1
+    with pytest.raises(EngineDeadError, match="2 engine steps in a row failed"):
         engine.step()
 
 
@@ -194,7 +217,8 @@ def test_a_poisoned_request_fails_alone_in_a_real_server(tiny_pair, tmp_path):
                                            for p, e in zip(PROMPTS[1:], started)])
         failed, texts = results[0], results[1:]
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
-        assert "injected fault" in failed.json()["error"]["message"]
+        assert "injected fault" not in failed.json()["error"]["message"]   # the log has it, under the error's id
+        assert "injected fault" in server.log()
         assert texts == alone
         assert re.search(r"an engine step of [2-9] requests failed", server.log())   # they shared a batch
         assert "failed alone" in server.log()
