@@ -195,3 +195,26 @@ def test_idle_connections_are_closed_by_the_header_timeout(served):
         assert reply.startswith(b"HTTP/1.1 408") and sock.recv(65536) == b""
         assert 2.0 <= time.monotonic() - started < 5.0
     serves_a_normal_request(url)
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+def test_connection_limits_and_the_tensor_parallel_timeout_are_configuration(tiny_pair):
+    """Flags, SPECSERVE_* variables and YAML keys (one OPTIONS table) reach uvicorn's Config and the
+    engine's; nonsense values are errors naming the key."""
+    from server.config import ConfigError, load_config
+    from server.http import ConnectionLimits, uvicorn_config
+
+    model = str(tiny_pair[0])
+    config = load_config(None, {"model": model, "limit_concurrency": "7", "header_timeout": "3.5",
+                                "tensor_parallel_timeout": "20"},
+                         environ={"SPECSERVE_BODY_TIMEOUT": "9", "SPECSERVE_TIMEOUT_KEEP_ALIVE": "2"})
+    assert (config.limit_concurrency, config.header_timeout, config.body_timeout, config.timeout_keep_alive) == \
+        (7, 3.5, 9.0, 2.0)
+    assert config.engine.tensor_parallel_timeout == 20.0
+    uv = uvicorn_config(lambda *_: None, "127.0.0.1", 0, ConnectionLimits(7, 2.0, 3.5, 9.0))
+    assert (uv.limit_concurrency, uv.timeout_keep_alive, uv.app.timeout) == (7, 2.0, 9.0)
+    for key, bad in [("limit_concurrency", "0"), ("header_timeout", "0"), ("body_timeout", "-1"),
+                     ("timeout_keep_alive", "0"), ("tensor_parallel_timeout", "0")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, {"model": model, key: bad}, environ={})
