@@ -159,7 +159,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     share_caches_across_tenants: bool = False   # one prefix cache and suffix cache for every tenant (API key)
     seed: int = 0
-    max_step_failures: int = 5            # steps in a row failing every request in them: the engine is dead
+    max_step_failures: int = 5            # failed steps in a row whose canary pass failed too: the engine is dead
     cuda_graphs: bool = False             # decode and verification passes replayed as CUDA graphs (GPU only)
     quantization: str = "auto"            # auto | none | bf16 | int8 | gguf: weight-only formats of the linears (CPU)
     tensor_parallel_size: int = 1         # the target sharded over this many processes (engine/tensor_parallel.py)

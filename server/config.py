@@ -245,7 +245,8 @@ OPTIONS: tuple[Option, ...] = (
            "after which /health answers 503 (default 120)", "SECONDS"),
     Option("shutdown_timeout", _parse_float, "on SIGTERM: stop admitting (503), let in-flight requests run this "
            "many seconds, then end the rest with an error (default 25, inside Kubernetes' 30 s grace)", "SECONDS"),
-    Option("max_step_failures", _parse_int, "engine steps in a row that fail every request in them before the "
+    Option("max_step_failures", _parse_int, "failed engine steps in a row after which a canary pass of the "
+           "engine's own failed too (the engine's fault, not a request's) before the "
            "engine is declared dead and the server exits 1 (default 5)", "N"),
     Option("tool_call_parser", _parse_str, "how the model writes tool calls: hermes_lenient (<tool_call> blocks: "
            "Qwen2.5, Qwen3, Hermes; and bare JSON calls {\"name\": <an offered function>, \"arguments\": {...}}, "

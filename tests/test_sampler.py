@@ -15,7 +15,9 @@ from engine.sampler import (
     sample,
     warp_probs,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import (
+    MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY, MIN_TOP_P, SamplingParams,
+)
 
 
 # ---------------------------------------------------------------------------
@@ -341,3 +343,46 @@ def test_a_request_may_cap_its_drafts_anywhere_the_server_may():
     assert SamplingParams(num_speculative_tokens=MAX_SPEC_TOKENS).num_speculative_tokens == MAX_SPEC_TOKENS
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=MAX_SPEC_TOKENS + 1)
+
+
+# ---------------------------------------------------------------------------
+# Bounds: no setting a request may give overflows or underflows the sampler's tensors.
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", math.inf), ("temperature", math.nan), ("temperature", 100.000001), ("temperature", -1e-9),
+    ("top_k", -2), ("top_k", True), ("top_p", 0.0), ("top_p", math.nan), ("top_p", 1.0000001),
+    ("min_p", math.nan), ("min_p", 1.5), ("presence_penalty", math.inf), ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0099), ("repetition_penalty", 100.01), ("repetition_penalty", 1e-46),
+    ("repetition_penalty", math.nan), ("logprobs", 21), ("prompt_logprobs", -1),
+    ("stop_token_ids", range(257)), ("stop_token_ids", [-1]),
+])
+def test_each_field_out_of_range_is_an_error_naming_it(field, value):
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_the_smallest_top_p_keeps_the_top_token_alone():
+    """A top_p below MIN_TOP_P is raised to it: in float32 it would be 0 and keep nothing at all."""
+    params = SamplingParams(top_p=1e-46)
+    assert params.top_p == MIN_TOP_P
+    logits = torch.tensor([[0.0, 3.0, 2.9999, -1.0], [-9.0, -20.0, -30.0, -9.5]])   # a near tie; all unlikely
+    probs = warp_probs(logits, SamplingTensors.from_params([params, params], "cpu"))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+def test_settings_at_their_bounds_give_finite_distributions():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 30
+    params = [SamplingParams(temperature=MAX_TEMPERATURE, top_k=50, min_p=1e-45),
+              SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY, presence_penalty=-2.0, frequency_penalty=-2.0),
+              SamplingParams(repetition_penalty=MAX_REPETITION_PENALTY, presence_penalty=2.0, frequency_penalty=2.0)]
+    history = [list(range(0, 50, 2)) * 40] * 3
+    penalized = apply_penalties(logits, params, [list(range(10))] * 3, history)
+    probs = warp_probs(penalized, SamplingTensors.from_params(params, "cpu"))
+    assert torch.isfinite(penalized).all() and torch.isfinite(probs).all()
+    assert torch.allclose(probs.sum(dim=-1), torch.ones(3))
+
+
+def test_stop_token_ids_are_a_set():
+    params = SamplingParams(stop_token_ids=[5, 3, 5] + list(range(100, 354)))
+    assert isinstance(params.stop_token_ids, frozenset) and len(params.stop_token_ids) == MAX_STOP_TOKEN_IDS
