@@ -185,8 +185,10 @@ async def _completion_prompts(server: Server, prompt, n: int) -> tuple[list[list
     if isinstance(prompt[0], str):
         server.check_prompt_chars(sum(len(text) for text in prompt), "prompt")
         return await server.off_loop(lambda: [server.tokenizer.encode(text) for text in prompt]), list(prompt)
-    for ids in prompt:
-        server.check_prompt_ids(ids, "prompt")
+    if len(prompt) == 1:
+        server.check_prompt_ids(prompt[0], "prompt")
+    else:   # up to MAX_CHOICES prompts of up to max_model_len ids each
+        await server.off_loop(lambda: [server.check_prompt_ids(ids, "prompt") for ids in prompt])
     return prompt, [None] * len(prompt)
 
 

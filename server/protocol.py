@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
 from engine.outputs import SpecStats, TokenLogprob
-from engine.structured import StructuredOutput, check_json_size
+from engine.structured import MAX_SCHEMA_NODES, StructuredOutput, check_json_size
 from server.tools import Function, parse_tool_choice, parse_tools
 
 logger = logging.getLogger("specserve.server")
@@ -326,6 +326,7 @@ def request_tools(value: Any) -> list[Function]:
         if isinstance(value, list):
             if len(value) > MAX_TOOLS:
                 raise ValueError(f"tools: at most {MAX_TOOLS} tools, got {len(value)}")
+            check_json_size(value, "tools", max_depth=MAX_SCHEMA_NODES)   # all of them together, then each
             for i, tool in enumerate(value):
                 function = tool.get("function") if isinstance(tool, dict) else None
                 if isinstance(function, dict) and "parameters" in function:

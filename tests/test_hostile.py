@@ -157,6 +157,9 @@ def test_large_schemas_and_too_many_tools_are_400s(url):
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer", "minimum": i} for i in range(20_000)}}
     assert_400(post(url, "/v1/chat/completions", {"messages": USER, "response_format": {
         "type": "json_schema", "json_schema": {"name": "wide", "schema": wide}}}), "response_format", "more than 50000")
+    medium = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}}
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": medium}} for i in range(2)]
+    assert_400(post(url, "/v1/chat/completions", {"messages": USER, "tools": many}), "tools", "tools: more than 50000")
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
     assert_400(post(url, "/v1/chat/completions", {"messages": USER, "tools": tools}), "tools", "at most 128 tools")
     assert_400(post(url, "/v1/chat/completions", {"messages": USER * 4097}), "messages", "at most 4096")
