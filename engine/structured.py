@@ -89,20 +89,21 @@ class StructuredOutput:
         return _grammar(self.kind, self.value)
 
 
-def check_json_size(value, where: str, max_depth: int = MAX_SCHEMA_DEPTH, max_nodes: int = MAX_SCHEMA_NODES
+def check_json_size(value, where: str = "", max_depth: int = MAX_SCHEMA_DEPTH, max_nodes: int = MAX_SCHEMA_NODES
                     ) -> None:
-    """ValueError naming `where` when a JSON value nests deeper than max_depth objects and arrays or
-    holds more than max_nodes values. Walked without recursion and stopped at the first excess, so
-    the check itself is bounded whatever it is given."""
+    """ValueError (naming `where` when given) when a JSON value nests deeper than max_depth objects
+    and arrays or holds more than max_nodes values. Walked without recursion and stopped at the first
+    excess, so the check itself is bounded whatever it is given."""
+    prefix = f"{where}: " if where else ""
     pending, seen = [(value, 1)], 0
     while pending:
         item, depth = pending.pop()
         seen += 1
         if seen > max_nodes:
-            raise ValueError(f"{where}: more than {max_nodes} values; a schema this large is not supported")
+            raise ValueError(f"{prefix}more than {max_nodes} values; a value this large is not supported")
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
         if children and depth > max_depth:
-            raise ValueError(f"{where}: nested deeper than {max_depth} levels")
+            raise ValueError(f"{prefix}nested deeper than {max_depth} levels")
         pending.extend((child, depth + 1) for child in children)
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
@@ -36,6 +36,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512    # characters per stop string: each is matched against every delta
 MAX_MESSAGES = 4096      # messages of one chat request: each is validated and rendered
 MAX_TOOLS = 128          # OpenAI's own limit; each tool's schema is rendered into the prompt
+# Fields that take any JSON (tools, tool_choice, response_format, ...) nest at most this deep, so that
+# nothing that serializes or walks them recursively (error messages, templates) can overflow; the
+# schemas inside are held to engine.structured's tighter MAX_SCHEMA_DEPTH where they are read.
+MAX_JSON_DEPTH = 256
 LOGPROB_FLOOR = -9999.0   # JSON has no -inf: a token the warped distribution excludes gets this
 
 
@@ -46,6 +50,15 @@ Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 class _Request(BaseModel):
     """Strict types (`max_tokens: true` or `"5"` is a 400, not 1 or 5), unknown fields ignored."""
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def bounded_json(value: Any) -> Any:
+    """A field of any JSON, refused (400 naming it) when it nests too deeply or is too large to walk."""
+    check_json_size(value, max_depth=MAX_JSON_DEPTH, max_nodes=MAX_SCHEMA_NODES)
+    return value
+
+
+AnyJSON = Annotated[Any, AfterValidator(bounded_json)]
 
 
 class StreamOptions(_Request):
@@ -126,7 +139,7 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     speculative: SpeculativeOptions | None = None
-    response_format: Any = None
+    response_format: AnyJSON = None
     structured_outputs: StructuredOutputsOptions | None = None
 
     @property
@@ -288,12 +301,12 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: Any = None            # checked by server.tools.parse_tools (a 400 names the bad item)
-    tool_choice: Any = None
+    tools: AnyJSON = None            # checked by server.tools.parse_tools (a 400 names the bad item)
+    tool_choice: AnyJSON = None
     parallel_tool_calls: bool = True
     # OpenAI's deprecated form of tools: declared so that asking for it is a 400, never silently ignored.
-    functions: Any = None
-    function_call: Any = None
+    functions: AnyJSON = None
+    function_call: AnyJSON = None
 
     def tool_setup(self) -> tuple[list[Function], str | Function]:
         """The tools and the tool_choice ("none", "auto", "required" or the named function)."""
@@ -312,7 +325,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
-    tools: Any = None   # rendered with the messages, as a chat completion would
+    tools: AnyJSON = None   # rendered with the messages, as a chat completion would
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -139,7 +139,7 @@ def test_a_template_that_fails_is_a_400(url):
     ("response_format", "response_format"), ("structured_outputs", "structured_outputs"),
     ("structured_outputs_text", "structured_outputs"), ("tools", "tools")])
 def test_deep_schemas_are_400s(url, field, param):
-    deep = nested_schema(200)
+    deep = nested_schema(100)   # 200 levels: within any JSON field's bound, past a schema's
     body = {"messages": USER, "max_tokens": 2}
     if field == "response_format":
         body[field] = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}
@@ -150,6 +150,16 @@ def test_deep_schemas_are_400s(url, field, param):
     else:
         body[field] = [{"type": "function", "function": {"name": "deep", "parameters": deep}}]
     assert_400(post(url, "/v1/chat/completions", body), param, "nested deeper than 64 levels")
+    assert_serves(url)
+
+
+@pytest.mark.parametrize("field", ["tool_choice", "tools", "response_format", "functions"])
+def test_any_json_field_nested_deeply_is_a_400(url, field):
+    deep: list = []
+    for _ in range(300):
+        deep = [deep]
+    assert_400(post(url, "/v1/chat/completions", {"messages": USER, field: deep}), field,
+               f"{field}: nested deeper than 256 levels")
     assert_serves(url)
 
 
