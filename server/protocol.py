@@ -217,11 +217,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"at most {MAX_CHOICES} prompts per request ({len(value)} given)")
         return value
 
-    @property
-    def num_prompts(self) -> int:
-        return 1 if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)) \
-            else len(self.prompt)
-
 
 class TextPart(_Request):
     type: Literal["text"]
