@@ -82,6 +82,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         return await _chat_completions(server, body, request)
 
+    from server.responses import add_route as add_responses_route   # built on this module's chat helpers
+    add_responses_route(app, server)   # POST /v1/responses
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(server)]}
