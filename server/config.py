@@ -197,8 +197,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("api_key", _parse_api_keys, "require 'Authorization: Bearer KEY' on every endpoint but /health and "
            "/metrics; several keys separated by commas (a list in YAML), each a tenant of its own whose prefix "
            "cache and suffix cache no other key reads (default: no authentication)", "KEY[,KEY...]"),
-    Option("tenant_header", _parse_str, "a request header naming the request's tenant, for a gateway in front "
-           "that authenticates (e.g. X-Tenant-Id): requests carrying it share the prefix cache and suffix cache "
+    Option("tenant_header", _parse_str, "a request header naming the request's tenant within its API key, for a "
+           "gateway in front (e.g. X-Tenant-Id): requests carrying it share the prefix cache and suffix cache "
            "with its value's other requests only; without it, the API key is the tenant (default: none)", "NAME"),
     Option("share_caches_across_tenants", _parse_bool, "one prefix cache and suffix cache for every tenant, for "
            "deployments whose keys are all one client's (default false: each API key or tenant header value has "

@@ -6,9 +6,10 @@ A request without one of the keys is answered 401 before a byte of its body is r
 so: neither costs the server more than the bytes it has already seen.
 
 The tenant is whose prefix cache and suffix cache a request shares (engine/kv_cache.py,
-engine/spec_decode/suffix.py): the value of the configured `tenant_header` when a request carries it
-(a gateway in front authenticates), else the API key it came with; a digest of it, so the key itself
-never reaches the engine. With neither, every request is the same tenant (None). It travels in
+engine/spec_decode/suffix.py): the API key it came with, and within that key the value of the
+configured `tenant_header` when the request carries one (a gateway in front names the tenant), so a
+header subdivides its key's tenant and never reaches another key's. The engine gets a digest of
+them, never the key. With neither, every request is the same tenant (None). It travels in
 `request_tenant`, a context variable the routes' code reads when it builds SamplingParams.
 """
 from __future__ import annotations
@@ -26,9 +27,11 @@ PUBLIC_PATHS = frozenset({"/health", "/metrics"})   # probes and scrapers send n
 request_tenant: ContextVar[str | None] = ContextVar("request_tenant", default=None)
 
 
-def tenant_digest(source: bytes, value: bytes) -> str:
-    """A tenant's name inside the server: a key and a header value never name the same tenant."""
-    return hashlib.sha256(source + b"\0" + value).hexdigest()
+def tenant_digest(key: bytes | None, header_value: bytes | None) -> str | None:
+    """A tenant's name inside the server, from the request's key and tenant header value (None: no tenant)."""
+    if key is None and header_value is None:
+        return None
+    return hashlib.sha256(repr((key, header_value)).encode()).hexdigest()
 
 
 class GuardMiddleware:
@@ -91,9 +94,8 @@ class GuardMiddleware:
         return match
 
     def _tenant(self, headers: dict[bytes, bytes], key: bytes | None) -> str | None:
-        if self.tenant_header is not None and self.tenant_header in headers:
-            return tenant_digest(b"header", headers[self.tenant_header])
-        return None if key is None else tenant_digest(b"api key", key)
+        header_value = headers.get(self.tenant_header) if self.tenant_header is not None else None
+        return tenant_digest(key, header_value)
 
     async def _too_large(self, send) -> None:
         await self._reply(send, 413, f"the request body is larger than this server's limit of "

@@ -53,23 +53,27 @@ def test_each_key_is_a_tenant_named_by_a_digest():
                            ("/v1/completions", {}), ("/health", {})], api_key="sk-alice, sk-bob")
     (s1, alice), (s2, bob), (s3, alice_again), (s4, _), (s5, _), (s6, probe) = replies
     assert (s1, s2, s3) == (200, 200, 200) and (s4, s5) == (401, 401) and s6 == 200
-    assert alice == alice_again == tenant_digest(b"api key", b"sk-alice") and bob != alice
+    assert alice == alice_again == tenant_digest(b"sk-alice", None) and bob != alice
     assert len(alice) == 64 and "alice" not in alice   # the engine sees a digest, never the key
     assert probe is None
 
 
-def test_a_tenant_header_names_the_tenant_whatever_the_key():
+def test_a_tenant_header_names_tenants_within_its_key():
+    """Behind a gateway (its own key, or none) the header names the tenant; a client holding another
+    key cannot join a tenant by sending its name."""
     header = "X-Tenant-Id"
-    replies = _tenants_of([("/v1/completions", bearer("sk-a", **{header: "acme"})),
-                           ("/v1/completions", bearer("sk-b", **{header: "acme"})),
-                           ("/v1/completions", bearer("sk-a", **{header: "initech"})),
-                           ("/v1/completions", bearer("sk-a")),
-                           ("/v1/completions", bearer("sk-a", **{header: "sk-a"}))],
-                          api_key="sk-a,sk-b", tenant_header=header)
-    (_, acme), (_, acme_too), (_, initech), (_, key_a), (_, named_like_key) = replies
-    assert acme == acme_too and initech != acme
-    assert key_a == tenant_digest(b"api key", b"sk-a")   # no header: the key is the tenant
-    assert named_like_key not in (key_a, None)           # a header value never impersonates a key's tenant
+    replies = _tenants_of([("/v1/completions", bearer("sk-gateway", **{header: "acme"})),
+                           ("/v1/completions", bearer("sk-gateway", **{header: "acme"})),
+                           ("/v1/completions", bearer("sk-gateway", **{header: "initech"})),
+                           ("/v1/completions", bearer("sk-gateway")),
+                           ("/v1/completions", bearer("sk-other", **{header: "acme"}))],
+                          api_key="sk-gateway,sk-other", tenant_header=header)
+    (_, acme), (_, acme_again), (_, initech), (_, gateway), (_, other_acme) = replies
+    assert acme == acme_again and len({acme, initech, gateway, other_acme}) == 4
+    assert gateway == tenant_digest(b"sk-gateway", None)   # no header: the key is the tenant
+    no_keys = _tenants_of([("/v1/completions", {header: "acme"}), ("/v1/completions", {header: "acme"}),
+                           ("/v1/completions", {})], api_key=None, tenant_header=header)
+    assert no_keys[0] == no_keys[1] and no_keys[0][1] is not None and no_keys[2] == (200, None)
 
 
 def test_without_keys_or_header_every_request_is_the_same_tenant():
