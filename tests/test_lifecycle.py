@@ -1,7 +1,8 @@
 """Lifecycle under hostile clients: a stream whose client leaves while nothing is being written is
-aborted at once; connections that trickle their head or body (slowloris) are cut off while the
-server serves others; past limit_concurrency connections a request gets 503. Each test ends with
-the same server serving a normal request.
+aborted at once (also while its grammar waits to compile: the compile is cancelled); connections
+that trickle their head or body (slowloris) are cut off while the server serves others; past
+limit_concurrency connections a request gets 503. Each test ends with the same server serving a
+normal request.
 
 One in-process server (a tiny random model, the engine on a thread) with small connection limits,
 started as `specserve serve` starts its own (server.http.uvicorn_config).
@@ -108,6 +109,51 @@ def test_a_held_back_stream_is_aborted_when_its_client_leaves(served, monkeypatc
         left = time.monotonic()   # the response is closed: the client is gone
     wait_until_idle(url, timeout=1.0)   # no request left in the engine, every KV block free
     assert time.monotonic() - left < 1.0
+    monkeypatch.undo()
+    serves_a_normal_request(url)
+
+
+def test_a_stream_that_leaves_while_its_grammar_waits_cancels_the_compile(served, monkeypatch):
+    """A constrained stream whose compile waits behind another (one compile worker, held busy): its
+    client leaves before anything is written. The request is aborted, its queued compile never
+    runs, and once the first compile ends both the engine and the queue are empty."""
+    from engine.structured import GrammarQueue
+
+    url, engine = served
+    queue = GrammarQueue(engine.grammars.compiler, workers=1)
+    release, compiled = threading.Event(), []
+    real_state = queue.compiler.state
+
+    def recording_state(spec):
+        compiled.append(spec.kind)
+        if spec.kind == "regex":
+            release.wait(30)
+        return real_state(spec)
+
+    monkeypatch.setattr(queue.compiler, "state", recording_state)
+    monkeypatch.setattr(engine, "grammars", queue)
+    busy = {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "[0-9]{3}"}}
+    first = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=busy, timeout=60))
+    first.start()
+    deadline = time.monotonic() + 30
+    while compiled != ["regex"]:
+        assert time.monotonic() < deadline, compiled
+        time.sleep(0.02)
+    waiting = {"model": MODEL, "prompt": "b", "max_tokens": 4, "stream": True,
+               "structured_outputs": {"choice": ["yes", "no"]}}
+    with httpx.Client(timeout=30) as client, client.stream("POST", url + "/v1/completions", json=waiting) as reply:
+        assert reply.status_code == 200
+        while len(queue) < 2:   # both wait for the one worker
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    left = time.monotonic()
+    while len(queue) > 1:
+        assert time.monotonic() - left < 1.0, "the stream's request is still queued after its client left"
+        time.sleep(0.02)
+    release.set()
+    first.join(30)
+    wait_until_idle(url, timeout=5.0)
+    assert compiled == ["regex"] and len(queue) == 0, compiled
     monkeypatch.undo()
     serves_a_normal_request(url)
 
