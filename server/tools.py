@@ -228,21 +228,23 @@ class HermesParser(ToolParser):
         before = len(text) if marker < 0 else marker
         if self.lenient:
             names = [f.name for f in functions]
-            brace = text.find("{", 0, before)
-            while brace >= 0:
-                opening = _bare_opening(text, brace, names)
+            candidate = BARE_START.search(text, 0, before)
+            while candidate:
+                opening = _bare_opening(text, candidate.start(), names)
                 if opening or (opening == 0 and not final):
-                    return brace, ("bare" if opening else "")
-                brace = text.find("{", brace + 1, before)
+                    return candidate.start(), ("bare" if opening else "")
+                candidate = BARE_START.search(text, candidate.start() + 1, before)
         if marker >= 0:
             return marker, "block"
         return len(text) - (0 if final else partial_suffix(text, self.START)), ""
 
     def bare_call(self, text: str, functions: list[Function], final: bool) -> tuple[bool, int, ToolCall | None]:
         """text opens a bare call (next_opening): (done, size, call). Done with a call: text[:size] is
-        that call; done without one: its first "{" is content (size 1); not done: it may still end."""
-        inner = len(text) - len(text[1:].lstrip(JSON_SPACE))
-        start = inner if text.startswith("{", inner) else 0   # a doubled brace's inner object
+        that call, with its code fence and doubled brace; done without one: its first character is
+        content (size 1); not done: it may still end."""
+        brace = text.find("{")   # after a code fence, if any
+        inner = len(text) - len(text[brace + 1:].lstrip(JSON_SPACE))
+        start = inner if text.startswith("{", inner) else brace   # a doubled brace's inner object
         try:
             payload, end = json.JSONDecoder().raw_decode(text, start)
         except json.JSONDecodeError:
@@ -250,11 +252,12 @@ class HermesParser(ToolParser):
         call = self._call(payload, functions, ("arguments", "parameters"))
         if call is None:
             return True, 1, None
-        if start:   # the doubled brace's closing one, where the model wrote it
+        # what closes the doubled brace and the code fence, where the model wrote it
+        for closer in ["}"] * (start > brace) + ["```"] * (brace > 0):
             after = len(text) - len(text[end:].lstrip(JSON_SPACE))
-            if after == len(text) and not final:
+            if closer.startswith(text[after:]) and not final:   # the text ends before it is known
                 return False, 0, None
-            end = after + 1 if text.startswith("}", after) else end
+            end = after + len(closer) if text.startswith(closer, after) else end
         return True, end, ToolCall(call.name, _arguments_text(text[start:], call), call.id)
 
     def parse_block(self, body: str, functions: list[Function]) -> ToolCall | None:
@@ -293,7 +296,8 @@ class HermesParser(ToolParser):
 class HermesLenientParser(HermesParser):
     """Hermes blocks, and what small models of the family write instead: a bare JSON call
     {"name": <an offered function>, "arguments": {...}} (or "parameters") outside the markers, also
-    with the doubled braces {{...}} of Qwen2.5's template text. An object counts only where it opens
+    with the doubled braces {{...}} of Qwen2.5's template text, or in a code fence (which goes with
+    it). An object counts only where it opens
     with an offered function's name and then an arguments object; other JSON stays content."""
     lenient = True
 
@@ -339,6 +343,7 @@ class Llama3JsonParser(ToolParser):
 
 
 JSON_SPACE = " \t\r\n"
+BARE_START = re.compile(r"[{`]")   # where a bare call may open: its brace, or a code fence around it
 # A Hermes call's opening, up to its arguments' first character: {"name": "<name>", "arguments":
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
@@ -354,18 +359,18 @@ def _arguments_text(text: str, call: ToolCall) -> str:
 
 
 def _bare_opening(text: str, at: int, names: list[str]) -> int | None:
-    """Whether text[at:] (a "{") opens a bare call: {"name": "<one of names>", "arguments": { (or
-    "parameters"), maybe after a doubled "{", JSON whitespace between. Where it does, the opening's
-    end; 0 where the text ends before that is known; None where it does not."""
-    pieces = [("{",), ("{", ""), ('"name"',), (":",), tuple(f'"{name}"' for name in names), (",",),
-              ('"arguments"', '"parameters"'), (":",), ("{",)]
+    """Whether text[at:] opens a bare call: {"name": "<one of names>", "arguments": { (or
+    "parameters"), maybe in a code fence, maybe after a doubled "{", JSON whitespace between. Where it
+    does, the opening's end; 0 where the text ends before that is known; None where it does not."""
+    pieces = [("```json", "```", ""), ("{",), ("{", ""), ('"name"',), (":",), tuple(f'"{name}"' for name in names),
+              (",",), ('"arguments"', '"parameters"'), (":",), ("{",)]
     for options in pieces:
         rest = text[at:].lstrip(JSON_SPACE)
-        if not rest:
+        if not rest or any(len(o) > len(rest) and o.startswith(rest) for o in options):
             return 0
         taken = next((o for o in options if rest.startswith(o)), None)
         if taken is None:
-            return 0 if any(o.startswith(rest) for o in options) else None
+            return None
         at = len(text) - len(rest) + len(taken)
     return at
 

@@ -38,6 +38,11 @@ OUTPUTS = {
                 '"arguments": {"city": "Rome"}}\n</tool_call>\n{{"name": "final_result", "parameters": {"answer": '
                 '"x"}}}', None, [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"}),
                                  ("final_result", {"answer": "x"})]),
+    # the same model under "auto" on the coder pair: a bare call in a code fence
+    "in a code fence": ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+                        None, [("get_weather", {"city": "Paris"})]),
+    "a code block": ('```python\nprint({"name": "get_weather"})\n```', '```python\nprint({"name": "get_weather"})\n```',
+                     []),
     "a JSON answer": ('{"city": "Paris", "temperature": 12}', '{"city": "Paris", "temperature": 12}', []),
     "a name that is no tool": ('{"name": "Paris", "arguments": {"country": "France"}}',
                                '{"name": "Paris", "arguments": {"country": "France"}}', []),
@@ -182,11 +187,11 @@ def test_required_parallel_calls_without_max_tokens_end_with_distinct_calls():
             assert choice.finish_reason == "tool_calls" and found, choice
             assert all(found.count(call) == 1 for call in found), found
             assert response.usage.completion_tokens < 300 and seconds < 60, (response.usage, seconds)
-            chunks = list(client.chat.completions.create(**ask, temperature=temperature, seed=1, stream=True))
-            deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-            streamed_calls = [(d.function.name, json.loads("".join(e.function.arguments for e in deltas
-                                                                   if e.index == d.index)))
-                              for d in deltas if d.id is not None]
-            assert streamed_calls == found and chunks[-1].choices[0].finish_reason == "tool_calls"
+        chunks = list(client.chat.completions.create(**ask, temperature=1.0, seed=1, stream=True))
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        streamed_calls = [(d.function.name, json.loads("".join(e.function.arguments for e in deltas
+                                                               if e.index == d.index)))
+                          for d in deltas if d.id is not None]
+        assert streamed_calls == found and chunks[-1].choices[0].finish_reason == "tool_calls"   # the same, seeded
         plain = client.chat.completions.create(model="default", messages=ask["messages"], max_tokens=8)
         assert plain.choices[0].finish_reason in ("stop", "length") and plain.choices[0].message.content
