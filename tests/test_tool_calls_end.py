@@ -100,6 +100,33 @@ def test_the_hermes_family_defaults_to_the_lenient_parser_and_hermes_is_strict()
     assert type(choose_parser(None, "hermes_lenient")) is HermesLenientParser
 
 
+def test_the_required_grammar_lets_the_turn_end_after_each_call(tmp_path):
+    """With the markers as added tokens (as Qwen2.5's tokenizer has them), end-of-sequence is allowed
+    after every complete call, and after the newline that would lead to another; a named function
+    (no parallel calls) is one call, then the grammar is done."""
+    from helpers import make_tokenizer
+
+    from engine.structured import GrammarCompiler
+
+    tokenizer = make_tokenizer(272)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.save_pretrained(tmp_path)
+    eos, start = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<tool_call>")
+    compiler = GrammarCompiler(str(tmp_path), len(tokenizer), frozenset([eos]))
+    call = tokenizer.encode(REPEAT, add_special_tokens=False)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    parallel = compiler.state(HermesLenientParser(tokenizer).grammar(FUNCTIONS, parallel=True))
+    for _ in range(2):
+        parallel.advance(call)
+        assert parallel.mask_after([])[eos]
+        parallel.advance(newline)
+        allowed = parallel.mask_after([])
+        assert allowed[eos] and allowed[start]
+    single = compiler.state(HermesLenientParser(tokenizer).grammar(FUNCTIONS[1:], parallel=False))
+    single.advance(call)
+    assert single.finished
+
+
 REPEAT = '<tool_call>\n{"name": "final_result", "arguments": {"answer": "4"}}\n</tool_call>'
 
 
