@@ -222,3 +222,14 @@ def test_required_parallel_calls_without_max_tokens_end_with_distinct_calls():
         assert streamed_calls == found and chunks[-1].choices[0].finish_reason == "tool_calls"   # the same, seeded
         plain = client.chat.completions.create(model="default", messages=ask["messages"], max_tokens=8)
         assert plain.choices[0].finish_reason in ("stop", "length") and plain.choices[0].message.content
+
+
+@pytest.mark.skipif(not (TARGET / "config.json").exists(), reason="the default target is not prepared: make target")
+def test_max_tool_calls_per_turn_is_a_checked_option():
+    from server.config import ConfigError, load_config
+
+    flags = {"model": str(TARGET)}
+    assert load_config(None, flags, environ={}).max_tool_calls_per_turn == 32
+    assert load_config(None, flags, environ={"SPECSERVE_MAX_TOOL_CALLS_PER_TURN": "4"}).max_tool_calls_per_turn == 4
+    with pytest.raises(ConfigError, match="max_tool_calls_per_turn"):
+        load_config(None, {**flags, "max_tool_calls_per_turn": 0}, environ={})
