@@ -208,8 +208,8 @@ def test_async_engine_delivers_between_steps_and_sleeps_when_idle():
         bridge = AsyncEngine(engine)
         bridge.start()
         queue = asyncio.Queue()
-        await bridge.add_requests([("a", [1], SamplingParams(max_tokens=3)), ("b", [1], SamplingParams(max_tokens=50))],
-                                  queue)
+        await bridge.add_requests([([1], [("a", SamplingParams(max_tokens=3)), ("b", SamplingParams(max_tokens=50))])],
+                                  queue)   # one prompt, two requests
         a_outputs = []
         while not a_outputs or not a_outputs[-1].finished:
             output = await queue.get()
@@ -218,7 +218,7 @@ def test_async_engine_delivers_between_steps_and_sleeps_when_idle():
         assert [o.new_token_ids for o in a_outputs] == [[1], [2], [3]]
         bridge.abort("b")
         with pytest.raises(ValueError, match="empty"):
-            await bridge.add_requests([("c", [], SamplingParams())], queue)
+            await bridge.add_requests([([], [("c", SamplingParams())])], queue)
         await asyncio.sleep(0.05)
         assert not engine.requests   # b aborted between steps
         polls = engine.polls
@@ -245,7 +245,7 @@ def test_a_dying_engine_loop_fails_the_commands_it_had_taken():
         bridge.start()
         bridge.core.submit([("abort", "x", "abort")])   # kills the loop
         with pytest.raises(EngineDeadError, match="abort bug"):
-            await asyncio.wait_for(bridge.add_requests([("c", [1], SamplingParams())], asyncio.Queue()), 10)
+            await asyncio.wait_for(bridge.add_requests([([1], [("c", SamplingParams())])], asyncio.Queue()), 10)
         assert not bridge.is_alive
         bridge.stop()
 
