@@ -327,14 +327,13 @@ class TokenizeRequest(_Request):
 
 def request_tools(value: Any) -> list[Function]:
     """A request's `tools` (unset: none); a 400 names the bad item. Their number and each schema's
-    depth and size are bounded before anything reads them."""
+    depth are bounded before anything reads them (their size as a whole by AnyJSON)."""
     if value is None:
         return []
     try:
         if isinstance(value, list):
             if len(value) > MAX_TOOLS:
                 raise ValueError(f"tools: at most {MAX_TOOLS} tools, got {len(value)}")
-            check_json_size(value, "tools", max_depth=MAX_SCHEMA_NODES)   # all of them together, then each
             for i, tool in enumerate(value):
                 function = tool.get("function") if isinstance(tool, dict) else None
                 if isinstance(function, dict) and "parameters" in function:
