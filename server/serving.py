@@ -7,6 +7,7 @@ Once a stream has started, an error is sent as a `data: {"error": ...}` event fo
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -137,8 +138,11 @@ class Server:
                              param=param)
 
     async def off_loop(self, work: Callable, *args):
-        """work(*args) on a text thread; its exceptions (APIError included) come back here."""
-        return await asyncio.get_running_loop().run_in_executor(self.text_work, functools.partial(work, *args))
+        """work(*args) on a text thread, in this request's context (its tenant); its exceptions
+        (APIError included) come back here."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self.text_work, functools.partial(
+            context.run, work, *args))
 
     async def respond(self, build: Callable[[], dict]) -> JSONResponse:
         """A finished request's JSON response, built and serialized on a text thread (n choices with
