@@ -283,7 +283,7 @@ async def create_response(server: Server, body: ResponsesRequest, request: Reque
     if not body.stream:
         await server.run(generation, request)
         choice = choices[0]
-        return await server.respond(lambda: writer.whole(
+        return await server.respond(lambda: writer.finished(
             _status(choice.finish_reason), *_parsed(server, choice.text, offered, body.parallel_tool_calls),
             generation))
     tools = ToolStream(server.tool_parser, offered) if offered else None
@@ -400,7 +400,7 @@ class ResponseWriter:
                                                 generation.num_discarded_tokens)
         return body
 
-    def whole(self, status: str, content: str | None, calls: list[ToolCall], generation: Generation
+    def finished(self, status: str, content: str | None, calls: list[ToolCall], generation: Generation
               ) -> dict[str, Any]:
         """A finished response: its message (when it has content, or nothing else), then its calls. The
         last item carries the response's status (incomplete when cut short), as in a stream."""
@@ -420,12 +420,7 @@ class ResponseWriter:
                 self.event("response.in_progress", response=self.response("in_progress", []))]
 
     def content(self, text: str) -> list[dict[str, Any]]:
-        events = []
-        if self.open is None or self.open.call is not None:
-            events += self._close("completed")
-            events += self._open(OutputItem(new_id("msg")))
-            events.append(self.event("response.content_part.added", **self._where(), content_index=0,
-                                     part=_output_text("")))
+        events = [] if self.open is not None and self.open.call is None else self._open_message()
         self.open.text += text
         return events + [self.event("response.output_text.delta", **self._where(), content_index=0, delta=text,
                                     logprobs=[])]
@@ -447,7 +442,7 @@ class ResponseWriter:
     def finish(self, status: str, generation: Generation) -> list[dict[str, Any]]:
         events = []
         if not self.items:   # nothing was written: the answer is an empty message
-            events += self.content("")
+            events += self._open_message()
         events += self._close(status)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return events + [self.event(kind, response=self.response(status, self.done, generation))]
@@ -457,6 +452,11 @@ class ResponseWriter:
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.open.id, "output_index": len(self.items) - 1}
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        events = self._close("completed") + self._open(OutputItem(new_id("msg")))
+        return events + [self.event("response.content_part.added", **self._where(), content_index=0,
+                                    part=_output_text(""))]
 
     def _open(self, item: OutputItem) -> list[dict[str, Any]]:
         self.items.append(item)

@@ -99,7 +99,9 @@ def test_stream_events_are_in_order_numbered_and_join_into_the_output():
     # nothing written at all: the answer is one empty message, and the response completed
     empty = ResponseWriter("resp_y", MODEL, {}, 1)
     events = empty.start() + empty.finish("completed", generation=None)
-    assert events[-1]["type"] == "response.completed"
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""
 
 
@@ -252,6 +254,7 @@ BAD = [  # (what the body adds to {"input": "hi"}, param, what the message says)
      "'input_image'"),
     ({"input": [{**CALL, "call_id": None}]}, "input", "input.0.function_call.call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input", "function_call_output.output"),
+    ({"input": [{**CALL, "call_id": f"c{i}"} for i in range(200)]}, "input", "tool_calls: List should have at most"),
     ({"tools": [{"type": "web_search"}]}, "tools", "tools.0.type"),
     ({"tools": [{**WEATHER, "name": "get weather"}]}, "tools", "tools[0].name"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "given twice"),
