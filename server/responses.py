@@ -123,7 +123,7 @@ class FunctionTool(p._Request):
     type: Literal["function"]
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: p.AnyJSON = None   # a JSON schema object, checked with the chat tools' checks
     strict: bool | None = None
 
 
@@ -135,7 +135,7 @@ class NamedFunction(p._Request):
 class TextFormat(p._Request):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: p.AnyJSON = Field(None, alias="schema")
     description: str | None = None
     strict: bool | None = None
 
@@ -157,9 +157,9 @@ class ResponsesRequest(p._SamplingRequest):
     store: bool | None = None   # accepted; nothing is stored
     # What needs stored responses: declared so that asking for it is a 400, never silently ignored.
     previous_response_id: str | None = None
-    conversation: Any = None
+    conversation: p.AnyJSON = None
     background: bool | None = None
-    prompt: Any = None   # a stored prompt template
+    prompt: p.AnyJSON = None   # a stored prompt template
 
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
