@@ -3,7 +3,7 @@ tool call or a typed object, with the framework's defaults and no max_tokens (as
 it), each case bounded at 60 s of wall clock (a bound against runaway generation, not a speed target).
 
     HF_HUB_OFFLINE=1 python bench/agent_frameworks.py [--config configs/qwen2.5-coder-1.5b.yaml]
-        [--cases pydantic_ai_output ...] [--log-requests] [--url http://127.0.0.1:8000 --model NAME]
+        [--cases pydantic_ai_output ...] [--repeat N] [--log-requests] [--url http://127.0.0.1:8000 --model NAME]
 
 The cases (CASES):
   pydantic_ai_output         pydantic-ai `Agent(model, output_type=City)`: its output tool under
@@ -133,8 +133,9 @@ def langchain_structured(endpoint: Endpoint) -> City:
     return langchain_model(endpoint).with_structured_output(City).invoke(CITY_QUESTION)
 
 
-def agents_run(endpoint: Endpoint, model_class: str, settings: agents.ModelSettings | None = None) -> AgentRun:
-    """The SDK's tool loop on one of its models, with its default model settings unless given."""
+def agents_run(endpoint: Endpoint, model_class: str, settings: agents.ModelSettings | None = None,
+               tool_use_behavior: str = "run_llm_again") -> AgentRun:
+    """The SDK's tool loop on one of its models, with the SDK's defaults unless given."""
     calls = []
 
     @agents.function_tool
@@ -147,7 +148,7 @@ def agents_run(endpoint: Endpoint, model_class: str, settings: agents.ModelSetti
     agents.set_tracing_disabled(True)   # the SDK would send traces to OpenAI
     model = getattr(agents, model_class)(model=endpoint.model, openai_client=endpoint.async_client())
     agent = agents.Agent(name="weather", instructions=AGENT_INSTRUCTIONS, tools=[get_weather_tool], model=model,
-                         model_settings=settings or agents.ModelSettings())
+                         model_settings=settings or agents.ModelSettings(), tool_use_behavior=tool_use_behavior)
     result = agents.Runner.run_sync(agent, WEATHER_QUESTION)
     return AgentRun(tuple(calls), str(result.final_output))
 
@@ -208,11 +209,13 @@ def generation_tokens(server_url: str) -> int:
                    for sample in family.samples if sample.name == "specserve:generation_tokens_total"))
 
 
-def run_case(name: str, server_url: str, model: str) -> tuple[Outcome, list[str]]:
+def run_case(name: str, server_url: str, model: str, case: Callable[[Endpoint], Any] | None = None
+             ) -> tuple[Outcome, list[str]]:
+    """One case (CASES[name] unless given) timed, with the tokens it cost and the requests it sent."""
     endpoint = Endpoint(server_url + "/v1", model)
     before, start = generation_tokens(server_url), time.monotonic()
     try:
-        result, error = CASES[name](endpoint), ""
+        result, error = (case or CASES[name])(endpoint), ""
     except Exception as exc:   # a case's failure is its row in the table
         result, error = None, f"{type(exc).__name__}: {exc}"
     seconds = time.monotonic() - start
@@ -266,6 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     p.add_argument("--url", help="an already running server (its root, without /v1) instead of starting one")
     p.add_argument("--model", help="the model name to send (default: the server's first)")
+    p.add_argument("--repeat", type=int, default=1, help="run the cases this many times (a sampled model varies)")
     p.add_argument("--log-requests", action="store_true", help="print the request bodies of every case")
     args = p.parse_args(argv)
     process = None
@@ -280,7 +284,7 @@ def main(argv=None) -> int:
     try:
         model = args.model or served_model(url)
         outcomes = []
-        for name in args.cases:
+        for name in args.cases * args.repeat:
             outcome, sent = run_case(name, url, model)
             outcomes.append(outcome)
             print(f"{name:26s} {'ok' if outcome.ok else 'FAIL':4s} {outcome.seconds:6.1f} s {outcome.tokens:6d} tokens  "
