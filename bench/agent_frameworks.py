@@ -138,13 +138,12 @@ def agents_run(endpoint: Endpoint, model_class: str, settings: agents.ModelSetti
     """The SDK's tool loop on one of its models, with the SDK's defaults unless given."""
     calls = []
 
-    @agents.function_tool
+    @agents.function_tool(name_override="get_weather")
     def get_weather_tool(city: str) -> str:
         """Get the current weather in a city."""
         calls.append(ToolCall("get_weather", {"city": city}))
         return get_weather(city)
 
-    get_weather_tool.name = "get_weather"
     agents.set_tracing_disabled(True)   # the SDK would send traces to OpenAI
     model = getattr(agents, model_class)(model=endpoint.model, openai_client=endpoint.async_client())
     agent = agents.Agent(name="weather", instructions=AGENT_INSTRUCTIONS, tools=[get_weather_tool], model=model,
@@ -287,7 +286,8 @@ def main(argv=None) -> int:
         for name in args.cases * args.repeat:
             outcome, sent = run_case(name, url, model)
             outcomes.append(outcome)
-            print(f"{name:26s} {'ok' if outcome.ok else 'FAIL':4s} {outcome.seconds:6.1f} s {outcome.tokens:6d} tokens  "
+            verdict = "ok" if outcome.ok else "FAIL"
+            print(f"{name:26s} {verdict:4s} {outcome.seconds:6.1f} s {outcome.tokens:6d} tokens  "
                   f"{outcome.error or shown(outcome.result)}", flush=True)
             if args.log_requests or not outcome.ok:
                 for body in sent:
