@@ -176,10 +176,32 @@ def distinct(calls: list[ToolCall]) -> list[ToolCall]:
 def _call_schema(functions: list[Function], arguments_key: str) -> dict[str, Any]:
     """A JSON schema of one call: {"name": <a function>, <arguments_key>: <its parameters>}, name first,
     in the one JSON layout structured outputs use (no free whitespace to pad with)."""
-    options = [{"type": "object", "properties": {"name": {"const": f.name}, arguments_key: f.parameters},
+    options = [{"type": "object", "properties": {"name": {"const": f.name}, arguments_key: closed(f.parameters)},
                 "required": ["name", arguments_key], "additionalProperties": False} for f in functions]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": JSON_LAYOUT}
+
+
+def closed(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others where it leaves
+    additionalProperties unset, as OpenAI's strict function calling reads a schema. Frameworks send
+    schemas that leave it unset; a grammar that allowed any key would let a small model write
+    invented keys without end. (The request's schema depth is bounded before it gets here.)"""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("items", "additionalProperties", "not"):   # one subschema
+        if isinstance(schema.get(key), dict):
+            out[key] = closed(schema[key])
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):   # a list of them
+        if isinstance(schema.get(key), list):
+            out[key] = [closed(item) for item in schema[key]]
+    for key in ("properties", "$defs", "definitions"):       # a mapping of names to them
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(item) for name, item in schema[key].items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 class HermesParser(ToolParser):

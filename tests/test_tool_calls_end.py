@@ -233,3 +233,32 @@ def test_max_tool_calls_per_turn_is_a_checked_option():
     assert load_config(None, flags, environ={"SPECSERVE_MAX_TOOL_CALLS_PER_TURN": "4"}).max_tool_calls_per_turn == 4
     with pytest.raises(ConfigError, match="max_tool_calls_per_turn"):
         load_config(None, {**flags, "max_tool_calls_per_turn": 0}, environ={})
+
+
+def test_a_call_grammar_closes_objects_whose_schema_leaves_them_open(tmp_path):
+    """Frameworks send argument schemas with additionalProperties unset; the call grammar reads them as
+    OpenAI's strict mode does, so a model cannot add keys (a small one did, without end). An object that
+    allows more keys, or lists no properties, stays open; a property named "properties" is a property."""
+    from helpers import make_tokenizer
+
+    from engine.structured import GrammarCompiler
+    from server.tools import closed
+
+    nested = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
+                                               "free": {"type": "object"},
+                                               "more": {"type": "object", "properties": {"b": {}},
+                                                        "additionalProperties": True}}}
+    assert closed(nested) == {**nested, "additionalProperties": False, "properties": {
+        "properties": {**nested["properties"]["properties"], "additionalProperties": False},
+        "free": {"type": "object"}, "more": nested["properties"]["more"]}}
+
+    tokenizer = make_tokenizer(272)
+    tokenizer.save_pretrained(tmp_path)
+    compiler = GrammarCompiler(str(tmp_path), len(tokenizer), frozenset([tokenizer.eos_token_id]))
+    state = compiler.state(HermesParser(tokenizer).grammar(FUNCTIONS[:1], parallel=False))
+    extra = tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "x": 1}}',
+                             add_special_tokens=False)
+    valid = tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                             add_special_tokens=False)
+    assert state.valid_prefix(valid) == len(valid)
+    assert state.valid_prefix(extra) < len(extra)
