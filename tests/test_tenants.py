@@ -169,3 +169,24 @@ def test_sharing_across_tenants_on_purpose(tiny_pair):
         bob, bob_hit = complete(server.url, hits, bearer("sk-bob"))
         assert bob["text"] == alice["text"] and alice_hit == 0 and bob_hit == 2
         assert bob["accepted"] > alice["accepted"] and bob["target_forwards"] < alice["target_forwards"] / 2
+
+
+def test_every_route_that_generates_carries_the_tenant(tiny_pair):
+    """Chat completions, completions and responses each hand the engine the key's tenant (the
+    context variable survives the routes' work on threads)."""
+    engine, server, _ = serve(tiny_pair, api_key="sk-alice")
+    tenants, add_request = [], engine.add_request
+
+    def recorded(request_id, prompt, params):
+        tenants.append(params.tenant)
+        return add_request(request_id, prompt, params)
+    engine.add_request = recorded
+    bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+              "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+              "/v1/responses": {"input": "hi", "max_output_tokens": 2}}
+    with server:
+        for path, body in bodies.items():
+            response = httpx.post(server.url + path, json={"model": MODEL, **body}, headers=bearer("sk-alice"),
+                                  timeout=60)
+            assert response.status_code == 200, (path, response.text)
+    assert tenants == [tenant_digest(b"sk-alice", None)] * len(bodies)
