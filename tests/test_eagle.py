@@ -217,7 +217,8 @@ def test_the_head_reads_the_targets_features_at_the_right_positions(paths, promp
     preempt, match = engine.scheduler._preempt, engine.pool.match_prefix
     preempted, hits = [], []
     engine.scheduler._preempt = lambda request, out: (preempted.append(request.request_id), preempt(request, out))
-    engine.pool.match_prefix = lambda ids: (lambda blocks: (hits.append(len(blocks)), blocks)[1])(match(ids))
+    engine.pool.match_prefix = lambda ids, tenant=None: (lambda blocks: (hits.append(len(blocks)), blocks)[1])(
+        match(ids, tenant))
 
     for batch in (prompts, prompts[-1:], prompts[-1:]):   # the last prompt alone twice: a prefix-cache hit
         outputs = run(config, batch, engine=engine)[0]
