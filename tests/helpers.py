@@ -326,3 +326,25 @@ def recover_from_p(target_probs, draft_ids, num_drafts, draft_probs, is_greedy, 
     fresh = torch.multinomial(target_probs[rows, accepted[rows]], 1, generator=torch.Generator().manual_seed(8))
     out[rows, accepted[rows]] = fresh.flatten()
     return out, accepted
+
+
+def one_worker_queue(engine, monkeypatch, timeout: float | None = None):
+    """The engine's grammar queue replaced by a one-worker one whose first regex compile blocks until
+    released; returns (queue, release, the kinds whose compile ran, in order)."""
+    import threading
+
+    from engine.structured import GRAMMAR_COMPILE_TIMEOUT, GrammarQueue
+
+    queue = GrammarQueue(engine.grammars.compiler, timeout=timeout or GRAMMAR_COMPILE_TIMEOUT, workers=1)
+    monkeypatch.setattr(engine, "grammars", queue)
+    release, compiled = threading.Event(), []
+    real_state = queue.compiler.state
+
+    def recording_state(spec):
+        compiled.append(spec.kind)
+        if spec.kind == "regex":
+            release.wait(30)
+        return real_state(spec)
+
+    monkeypatch.setattr(queue.compiler, "state", recording_state)
+    return queue, release, compiled

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from conftest import free_port, wait_until_idle
+from helpers import one_worker_queue
 
 MODEL = "tiny"
 LIMITS = dict(limit_concurrency=6, timeout_keep_alive=5.0, header_timeout=2.0, body_timeout=2.0)
@@ -117,21 +118,8 @@ def test_a_stream_that_leaves_while_its_grammar_waits_cancels_the_compile(served
     """A constrained stream whose compile waits behind another (one compile worker, held busy): its
     client leaves before anything is written. The request is aborted, its queued compile never
     runs, and once the first compile ends both the engine and the queue are empty."""
-    from engine.structured import GrammarQueue
-
     url, engine = served
-    queue = GrammarQueue(engine.grammars.compiler, workers=1)
-    release, compiled = threading.Event(), []
-    real_state = queue.compiler.state
-
-    def recording_state(spec):
-        compiled.append(spec.kind)
-        if spec.kind == "regex":
-            release.wait(30)
-        return real_state(spec)
-
-    monkeypatch.setattr(queue.compiler, "state", recording_state)
-    monkeypatch.setattr(engine, "grammars", queue)
+    queue, release, compiled = one_worker_queue(engine, monkeypatch)
     busy = {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "[0-9]{3}"}}
     first = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=busy, timeout=60))
     first.start()

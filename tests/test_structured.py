@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import make_noisy_copy, make_tiny_checkpoint
+from helpers import make_noisy_copy, make_tiny_checkpoint, one_worker_queue
 
 from engine import LLM, SamplingParams
 from engine.structured import StructuredOutput, constrain
@@ -154,28 +154,6 @@ def test_a_slow_compile_holds_up_no_other_request_and_times_out(plain, monkeypat
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("stuck", "error")]
     assert "did not compile within 0.2 s" in outputs[0].error
     release.set()
-
-
-def one_worker_queue(engine, monkeypatch, timeout: float = 10.0):
-    """The engine's grammar queue replaced by a one-worker one whose first regex compile blocks until
-    released; returns (queue, release, the kinds whose compile ran, in order)."""
-    import threading
-
-    from engine.structured import GrammarQueue
-
-    queue = GrammarQueue(engine.grammars.compiler, timeout=timeout, workers=1)
-    monkeypatch.setattr(engine, "grammars", queue)
-    release, compiled = threading.Event(), []
-    real_state = queue.compiler.state
-
-    def recording_state(spec):
-        compiled.append(spec.kind)
-        if spec.kind == "regex":
-            release.wait(30)
-        return real_state(spec)
-
-    monkeypatch.setattr(queue.compiler, "state", recording_state)
-    return queue, release, compiled
 
 
 def wait_for(condition, timeout: float = 60.0) -> None:

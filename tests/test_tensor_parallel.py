@@ -247,33 +247,49 @@ def _descendants_running(root: int, marker: str) -> list[int]:
     return [pid for pid, command in commands.items() if marker in command and under(pid)]
 
 
-@pytest.mark.slow
-def test_a_dead_worker_kills_the_server(engine_target, tmp_path):
-    """A worker killed during a stream: the stream ends with an engine_dead error event, /health is
-    no longer 200, the server exits 1."""
+def _worker(server) -> int:
+    (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
+    return worker
+
+
+def _signal_mid_stream(server, worker: int, signum) -> float:
+    """Send the server's worker `signum` while a stream runs: the stream ends with an engine_dead error
+    event, /health is no longer 200 and the server exits 1. Returns the seconds from the signal to the
+    stream's end."""
     import os
-    import signal
+    import time
 
     import httpx
     from conftest import sse_events
 
+    body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 480, "ignore_eos": True, "stream": True,
+            "temperature": 0.0}
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))   # streaming
+        os.kill(worker, signum)
+        signalled = time.monotonic()
+        rest = sse_events(lines)
+        answered = time.monotonic() - signalled
+    assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "engine_dead", rest[-3:]
+    try:
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+    except httpx.TransportError:
+        pass   # already gone
+    assert server.process.wait(60) == 1
+    return answered
+
+
+@pytest.mark.slow
+def test_a_dead_worker_kills_the_server(engine_target, tmp_path):
+    """A worker killed during a stream: the stream ends with an engine_dead error event, /health is
+    no longer 200, the server exits 1."""
+    import signal
+
     server = tp_server(engine_target, tmp_path)
     try:
         server.wait_ready()
-        (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
-        body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 480, "ignore_eos": True, "stream": True,
-                "temperature": 0.0}
-        with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))   # streaming
-            os.kill(worker, signal.SIGKILL)
-            rest = sse_events(lines)
-        assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "engine_dead", rest[-3:]
-        try:
-            assert httpx.get(server.url + "/health", timeout=5).status_code == 503
-        except httpx.TransportError:
-            pass   # already gone
-        assert server.process.wait(60) == 1
+        _signal_mid_stream(server, _worker(server), signal.SIGKILL)
     finally:
         server.stop()
     assert "the tensor-parallel group failed" in server.log() or "tensor-parallel worker(s) exited" in server.log()
@@ -306,7 +322,7 @@ def test_a_worker_dying_while_the_server_is_idle_turns_health_503(engine_target,
     server = tp_server(engine_target, tmp_path)
     try:
         server.wait_ready()
-        (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
+        worker = _worker(server)
         os.kill(worker, signal.SIGKILL)
         deadline, status = time.monotonic() + 30, 200
         while status == 200 and time.monotonic() < deadline:
@@ -369,32 +385,14 @@ def test_a_stopped_worker_answers_the_waiting_client_within_the_timeout(engine_t
     stream ends with an engine_dead error event, /health is no longer 200 and the server exits 1."""
     import os
     import signal
-    import time
-
-    import httpx
-    from conftest import sse_events
 
     server = tp_server(engine_target, tmp_path, "--tensor-parallel-timeout", "3")
     worker = None
     try:
         server.wait_ready()
-        (worker,) = _descendants_running(server.process.pid, "engine.tensor_parallel")
-        body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 480, "ignore_eos": True, "stream": True,
-                "temperature": 0.0}
-        with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))   # streaming
-            os.kill(worker, signal.SIGSTOP)
-            stopped = time.monotonic()
-            rest = sse_events(lines)
-            answered = time.monotonic() - stopped
-        assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "engine_dead", rest[-3:]
+        worker = _worker(server)
+        answered = _signal_mid_stream(server, worker, signal.SIGSTOP)
         assert answered < 3 + 10, answered
-        try:
-            assert httpx.get(server.url + "/health", timeout=5).status_code == 503
-        except httpx.TransportError:
-            pass   # already gone
-        assert server.process.wait(60) == 1
     finally:
         if worker is not None:
             try:
