@@ -25,7 +25,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENGINE_CORES = ("process", "thread")
 TOOL_CALL_PARSERS = ("auto", "hermes_lenient", "hermes", "llama3_json")   # server/tools.py's parsers
 DEFAULT_MAX_TOOL_CALLS_PER_TURN = 32   # distinct tool calls after which a turn ends (a backstop to repeats ending it)
-DEFAULT_MAX_BODY_SIZE = 16 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits
+DEFAULT_MAX_BODY_SIZE = 4 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits (about 1 MiB), and
+# the body's JSON parse, which holds the event loop, stays short (docs/configuration.md)
 DEFAULT_WATCHDOG_TIMEOUT = 120.0     # seconds without a step while requests wait: /health says the engine is stuck
 DEFAULT_SHUTDOWN_TIMEOUT = 25.0     # on SIGTERM: drain this long (Kubernetes kills after 30 s by default)
 DEFAULT_LIMIT_CONCURRENCY = 1000    # connections: below the usual 1024 open files, so the limit answers first
@@ -257,7 +258,7 @@ OPTIONS: tuple[Option, ...] = (
            "finish_reason tool_calls (a call that repeats an earlier one ends it too; without "
            "parallel_tool_calls, the first call does; default 32)", "N"),
     Option("max_body_size", parse_size, "largest request body, e.g. 16MiB; larger ones are a 413 before "
-           "they are read (default 16MiB)", "SIZE"),
+           "they are read (default 4MiB)", "SIZE"),
     Option("max_prompt_chars", _parse_int, "characters of prompt text one request may send (completion prompts, "
            "chat messages, /tokenize), refused with a 400 before they are tokenized or rendered (default: 32 per "
            "token of max_model_len, far past any text that fits the context)", "N"),
