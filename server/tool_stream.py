@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.tools import (
-    HEADER, Function, HermesParser, Llama3JsonParser, ToolCall, ToolParser, new_call_id, partial_suffix, same_call,
+    HEADER, Function, HermesParser, Llama3JsonParser, ToolCall, ToolParser, new_call_id, partial_suffix, repeats,
     unquote,
 )
 
@@ -136,7 +136,7 @@ class ToolStream:
 
     def _take(self, call: ToolCall, deltas: list[CallDelta]) -> None:
         """A call that has ended, sent whole, unless it repeats an earlier one."""
-        if any(same_call(call, earlier) for earlier in self.calls):
+        if repeats(call, self.calls):
             self.repeated = True
             return
         self.calls.append(call)
@@ -179,7 +179,7 @@ class ToolStream:
         """The calls complete so far (each once), for the end of the turn: they go out when the output ends."""
         calls, self._held_end = self.parser.leading_calls(self.buffer, self.functions, self._held_end)
         for call in calls:
-            if any(same_call(call, earlier) for earlier in self._held):
+            if repeats(call, self._held):
                 self.repeated = True
             else:
                 self._held.append(call)

@@ -164,11 +164,16 @@ def same_call(call: ToolCall, other: ToolCall) -> bool:
         return call.arguments == other.arguments
 
 
+def repeats(call: ToolCall, earlier: list[ToolCall]) -> bool:
+    """The call is identical to one of the earlier ones (a model that repeats itself)."""
+    return any(same_call(call, other) for other in earlier)
+
+
 def distinct(calls: list[ToolCall]) -> list[ToolCall]:
-    """The calls, less those identical to an earlier one (a model that repeats itself)."""
+    """The calls, less those identical to an earlier one."""
     kept: list[ToolCall] = []
     for call in calls:
-        if not any(same_call(call, earlier) for earlier in kept):
+        if not repeats(call, kept):
             kept.append(call)
     return kept
 
