@@ -342,8 +342,11 @@ def _end_tool_calls(server: Server, choices: list[Choice], offered: list[Functio
 def _tool_grammar(server: Server, body: p.ChatCompletionRequest, params, functions: list[Function],
                   tool_choice) -> tuple:
     """tool_choice "required" or a named function: the output is constrained to calls (of any of the
-    functions, or one of the named one), so their arguments always parse. Returns the params and the field a
+    functions, or one of the named one), so their arguments always parse. "auto" with strict tools: the
+    calls the model opens are (a lazy grammar), its text is free. Returns the params and the field a
     grammar error names."""
+    if tool_choice == "auto" and params.structured is None and any(f.strict for f in functions):
+        return dataclasses.replace(params, structured=server.tool_parser.auto_grammar(functions)), "tools"
     if tool_choice not in ("required",) and not isinstance(tool_choice, Function):
         return params, body.structured_param
     if params.structured is not None:

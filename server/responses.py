@@ -206,7 +206,9 @@ class ResponsesRequest(p._SamplingRequest):
 
     def tool_setup(self) -> tuple[list[Function], str | Function]:
         """The functions and the tool_choice ("none", "auto", "required" or the named function)."""
-        tools = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+        # A Responses function tool is strict unless it says otherwise (OpenAI's default there).
+        tools = [{"type": "function", "function": {"strict": True, **tool.model_dump(exclude={"type"},
+                                                                                    exclude_none=True)}}
                  for tool in self.tools or []]
         try:
             functions = p.request_tools(tools)

@@ -27,7 +27,8 @@ from server.async_engine import (
 )
 from server.config import DEFAULT_WATCHDOG_TIMEOUT
 from server.middleware import request_tenant
-from server.tools import choose_parser, template_renders_tools
+from server.tool_parsers import choose_parser
+from server.tools import template_renders_tools
 from engine.tokenizer import TextStream, TokenStrings
 
 logger = logging.getLogger("specserve.server")

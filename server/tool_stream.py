@@ -7,10 +7,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from server.tools import (
-    HEADER, Function, HermesParser, Llama3JsonParser, ToolCall, ToolParser, new_call_id, partial_suffix, repeats,
-    unquote,
-)
+from server.tool_parsers import HEADER, HermesParser, Llama3JsonParser, ToolParser, partial_suffix, unquote
+from server.tools import Function, ToolCall, new_call_id, repeats
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import pytest
 
 from engine.tokenizer import TextStream
 from server.tool_stream import ToolCallStop, ToolStream
-from server.tools import HermesLenientParser, HermesParser, Llama3JsonParser, choose_parser, parse_tools
+from server.tool_parsers import HermesLenientParser, HermesParser, Llama3JsonParser, choose_parser
+from server.tools import parse_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -243,7 +244,7 @@ def test_a_call_grammar_closes_objects_whose_schema_leaves_them_open(tmp_path):
     from helpers import make_tokenizer
 
     from engine.structured import GrammarCompiler
-    from server.tools import closed
+    from server.tool_parsers import closed
 
     nested = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
                                                "free": {"type": "object"},

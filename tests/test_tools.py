@@ -13,8 +13,8 @@ import pytest
 from conftest import InProcessServer
 
 from server.tool_stream import ToolStream
-from server.tools import (HermesParser, Llama3JsonParser, choose_parser, parse_tool_choice, parse_tools,
-                          template_messages)
+from server.tool_parsers import HermesParser, Llama3JsonParser, choose_parser
+from server.tools import parse_tool_choice, parse_tools, template_messages
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {
@@ -148,7 +148,7 @@ def test_the_parser_follows_the_template_or_the_config():
     with pytest.raises(ValueError, match="tool_call_parser"):
         choose_parser(None, "xml")
     from server.config import TOOL_CALL_PARSERS
-    from server.tools import PARSER_CLASSES
+    from server.tool_parsers import PARSER_CLASSES
     assert TOOL_CALL_PARSERS == ("auto", *PARSER_CLASSES)   # the config key offers every parser
 
 
