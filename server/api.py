@@ -40,7 +40,8 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
                on_dead=None, max_num_waiting: int | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT, tool_call_parser: str = "auto",
                tenant_header: str | None = None, max_prompt_chars: int | None = None,
-               max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN) -> FastAPI:
+               max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN,
+               sampling_defaults: dict | None = None) -> FastAPI:
     """engine: an Engine (its loop runs on a thread of this process) or a started
     server.engine_core.ProcessCore. on_dead(reason) is called once if the engine core dies.
     max_num_waiting: queued requests past which new ones get a 429 (None: unbounded);
@@ -49,10 +50,12 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
     how the model writes tool calls (server/tools.py; auto: from its chat template); api_key (one key or
     several separated by commas) and tenant_header: what names a request's tenant (server/middleware.py);
     max_prompt_chars: characters of prompt text one request may send (None: 32 per token of the context);
-    max_tool_calls_per_turn: distinct tool calls after which a choice ends (server/tool_stream.py)."""
+    max_tool_calls_per_turn: distinct tool calls after which a choice ends (server/tool_stream.py);
+    sampling_defaults: values of the sampling fields a request leaves unset (ServerConfig's)."""
     server = Server(engine, tokenizer, served_model_name, api_key, metrics, on_dead, max_num_waiting,
                     watchdog_timeout, tool_call_parser, max_prompt_chars)
     server.max_tool_calls_per_turn = max_tool_calls_per_turn
+    server.sampling_defaults = dict(sampling_defaults or {})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

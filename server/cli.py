@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import sys
@@ -103,13 +104,16 @@ def serve(config: ServerConfig) -> int:
                      config.max_num_waiting, config.max_body_size, config.watchdog_timeout,
                      config.tool_call_parser, tenant_header=config.tenant_header,
                      max_prompt_chars=config.max_prompt_chars,
-                     max_tool_calls_per_turn=config.max_tool_calls_per_turn)
+                     max_tool_calls_per_turn=config.max_tool_calls_per_turn,
+                     sampling_defaults=config.sampling_defaults)
     host = f"[{config.host}]" if ":" in config.host else config.host
     logger.info("specserve: model=%s served as %r, dtype=%s, device=%s, kv_blocks=%d x %d tokens, "
                 "max_model_len=%d, speculative=%s (gamma %d), engine=%s (%d threads), auth=%s, url=http://%s:%d/v1",
                 config.engine.model, config.served_model_name, info.dtype, info.device, info.num_blocks,
                 info.block_size, info.max_model_len, info.method, info.gamma, config.engine_core, info.num_threads,
                 "on" if config.api_key else "off", host, config.port)
+    if config.sampling_defaults:
+        logger.info("specserve: requests that leave them unset sample with %s", json.dumps(config.sampling_defaults))
     if not config.api_key and config.host not in ("127.0.0.1", "::1", "localhost"):
         logger.warning("specserve: AUTHENTICATION IS OFF on %s: anyone who reaches port %d can use the model; set "
                        "SPECSERVE_API_KEY (or --api-key) unless a proxy in front authenticates", config.host,

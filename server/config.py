@@ -13,17 +13,21 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 import yaml
 
 from engine.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, SpeculativeConfig
+from engine.sampling_params import SamplingParams
 
 ENV_PREFIX = "SPECSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENGINE_CORES = ("process", "thread")
 TOOL_CALL_PARSERS = ("auto", "hermes_lenient", "hermes", "llama3_json")   # server/tools.py's parsers
+# The request fields a deployment (or the model's generation_config.json) may give defaults for.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty")
 DEFAULT_MAX_TOOL_CALLS_PER_TURN = 32   # distinct tool calls after which a turn ends (a backstop to repeats ending it)
 DEFAULT_MAX_BODY_SIZE = 4 * 2**20   # bytes: a full 128k-token prompt as JSON token ids fits (about 1 MiB), and
 # the body's JSON parse, which holds the event loop, stays short (docs/configuration.md)
@@ -62,6 +66,9 @@ class ServerConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT                  # seconds a request's body may take to arrive
     tool_call_parser: str = "auto"      # how the model writes tool calls (auto: from its chat template)
     max_tool_calls_per_turn: int = DEFAULT_MAX_TOOL_CALLS_PER_TURN   # calls after which a choice's turn ends
+    # sampling fields a request leaves unset take these values (the model's generation_config.json, then the
+    # config's sampling_defaults)
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -158,6 +165,33 @@ def _parse_api_keys(value: Any) -> str:
             raise ValueError("a key in a list of keys must not contain a comma")
         return ",".join(keys)
     return _parse_str(value)
+
+
+def _parse_sampling_defaults(value: Any) -> dict:
+    """Request sampling fields and their default values, checked as a request's are."""
+    defaults = _parse_mapping(value)
+    unknown = sorted(set(defaults) - set(SAMPLING_DEFAULT_FIELDS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a sampling field (known: {', '.join(SAMPLING_DEFAULT_FIELDS)})")
+    SamplingParams(**defaults)   # ValueError naming the field
+    return defaults
+
+
+def model_sampling_defaults(model: str) -> dict:
+    """The sampling fields a Hugging Face checkpoint's generation_config.json sets (its authors'
+    recommended settings, which vLLM applies by default too); none for a GGUF file, which carries none."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        defaults = {key: config[key] for key in SAMPLING_DEFAULT_FIELDS if key in config}
+        SamplingParams(**defaults)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path}: unusable sampling defaults ({exc}); fix the file or set sampling_defaults") \
+            from None
+    return defaults
 
 
 def _parse_mapping(value: Any) -> dict:
@@ -257,6 +291,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_tool_calls_per_turn", _parse_int, "distinct tool calls after which a choice's turn ends with "
            "finish_reason tool_calls (a call that repeats an earlier one ends it too; without "
            "parallel_tool_calls, the first call does; default 32)", "N"),
+    Option("sampling_defaults", _parse_sampling_defaults, "default values of the sampling fields a request leaves "
+           "unset, as a JSON object, e.g. {\"temperature\": 0.7, \"top_p\": 0.8, \"top_k\": 20}: over those of the "
+           "model's generation_config.json, where it has one (a GGUF file has none); default: OpenAI's "
+           "(temperature 1, no top_p, top_k or penalties)", "JSON"),
     Option("max_body_size", parse_size, "largest request body, e.g. 16MiB; larger ones are a 413 before "
            "they are read (default 4MiB)", "SIZE"),
     Option("max_prompt_chars", _parse_int, "characters of prompt text one request may send (completion prompts, "
@@ -280,7 +318,7 @@ YAML_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 SERVER_KEYS = ("served_model_name", "tokenizer", "host", "port", "api_key", "log_level", "engine_core",
                "engine_threads", "max_num_waiting", "max_body_size", "watchdog_timeout", "shutdown_timeout",
                "limit_concurrency", "timeout_keep_alive", "header_timeout", "body_timeout",
-               "tool_call_parser", "max_tool_calls_per_turn", "max_prompt_chars", "tenant_header")
+               "tool_call_parser", "max_tool_calls_per_turn", "max_prompt_chars", "tenant_header", "sampling_defaults")
 
 
 def _parse(option: Option, value: Any, source: str) -> Any:
@@ -359,6 +397,7 @@ def build_config(values: Mapping[str, Any]) -> ServerConfig:
         engine = EngineConfig(model=model, speculative=spec, **values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+    server["sampling_defaults"] = {**model_sampling_defaults(model), **server.get("sampling_defaults", {})}
     server.setdefault("served_model_name", model.rstrip("/") or model)
     server.setdefault("tokenizer", model)
     return ServerConfig(engine=engine, **server)

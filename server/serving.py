@@ -84,6 +84,7 @@ class Server:
         self.metrics = metrics
         self.created = p.now()
         self.shutting_down = False
+        self.sampling_defaults: dict = {}   # for the sampling fields a request leaves unset (create_app's)
 
     @property
     def info(self):
@@ -170,7 +171,8 @@ class Server:
             self.check_speculative_method(request.speculative.method)
         request.check_limits()
         try:
-            return SamplingParams(**fields, **request.sampling_kwargs(), tenant=request_tenant.get())
+            return SamplingParams(**fields, **{**self.sampling_defaults, **request.sampling_kwargs()},
+                                  tenant=request_tenant.get())
         except ValueError as exc:
             raise p.APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
 
