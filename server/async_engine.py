@@ -2,9 +2,9 @@
 
     engine core (server.engine_core)           event loop thread
     --------------------------------           -----------------
-    sleep while idle                           add_requests(): register queue and future, submit "add"
+    sleep while idle                           add_requests(): register queue and future, submit Add
                                                (a prompt once, with the ids and params of its choices)
-    apply commands (add / abort)  <----------  abort(): submit "abort"
+    apply commands (Add / Abort)  <----------  abort(): submit Abort
     step()
     messages -> _on_message (core's thread) -> call_soon_threadsafe -> futures, per-request asyncio queues
 
@@ -30,7 +30,8 @@ from engine.engine import EngineDeadError, EngineStatus
 from engine.outputs import RequestOutput, SpecStats, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TextStream
-from server.engine_core import EngineInfo, ProcessCore, ThreadCore
+from server.core_messages import Abort, Aborted, Add, Added, Command, Dead, EngineInfo, Idle, Message, Stepped
+from server.engine_core import ProcessCore, ThreadCore
 
 logger = logging.getLogger("specserve.server")
 
@@ -89,7 +90,7 @@ class AsyncEngine:
         for rid, future in zip(ids, futures):
             self._queues[rid], self._adding[rid] = queue, future
         try:
-            self._submit([("add", prompt, tuple(requests)) for prompt, requests in prompts])
+            self._submit([Add(prompt, tuple(requests)) for prompt, requests in prompts])
         except EngineDeadError:
             for rid in ids:
                 self._queues.pop(rid, None)
@@ -117,11 +118,11 @@ class AsyncEngine:
         if queue is None:
             return   # finished, or aborted already
         try:
-            self._submit([("abort", request_id, reason)])
+            self._submit([Abort(request_id, reason)])
         except EngineDeadError:
             pass
 
-    def _submit(self, commands: list[tuple]) -> None:
+    def _submit(self, commands: list[Command]) -> None:
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason)
         try:
@@ -130,38 +131,37 @@ class AsyncEngine:
             raise EngineDeadError(str(exc)) from None
 
     # ---- messages from the core (its thread) -------------------------------------------
-    def _on_message(self, message: tuple) -> None:
-        kind = message[0]
-        if kind in ("step", "idle", "added"):
+    def _on_message(self, message: Message) -> None:
+        if isinstance(message, (Stepped, Idle, Added)):
             self._last_progress = time.monotonic()
-        if kind == "step":
-            _, outputs, stats, self._status = message
-            if self.metrics is not None:
-                if stats is not None:
-                    self.metrics.observe_step(stats)
-                for output in outputs:
-                    if output.finished:
-                        self.metrics.observe_request(output)
-            if outputs:
-                self._call(self._deliver, outputs)
-        elif kind == "added":
-            self._call(self._settle, message[1])
-        elif kind == "aborted":
-            _, final, reason = message
-            if self.metrics is not None:
-                self.metrics.observe_request(final)
-            if reason == "stop":
-                self._call(self._deliver, [final])
-        elif kind == "idle":
-            self._status = message[1]
-            if self.metrics is not None and self._status is not None:
-                # No step runs while idle, so refresh the engine-state gauges that steps would have set.
-                self.metrics.num_running.set(0)
-                self.metrics.num_waiting.set(0)
-                self.metrics.kv_cache_usage.set(self._status.kv_cache_usage)
-        elif kind == "dead":
-            self.error = message[1]
-            self._call(self._fail_all, EngineDeadError(self.error))
+        match message:
+            case Stepped(outputs, stats, status):
+                self._status = status
+                if self.metrics is not None:
+                    if stats is not None:
+                        self.metrics.observe_step(stats)
+                    for output in outputs:
+                        if output.finished:
+                            self.metrics.observe_request(output)
+                if outputs:
+                    self._call(self._deliver, outputs)
+            case Added(results):
+                self._call(self._settle, results)
+            case Aborted(final, reason):
+                if self.metrics is not None:
+                    self.metrics.observe_request(final)
+                if reason == "stop":
+                    self._call(self._deliver, [final])
+            case Idle(status):
+                self._status = status
+                if self.metrics is not None:
+                    # No step runs while idle, so refresh the engine-state gauges that steps would have set.
+                    self.metrics.num_running.set(0)
+                    self.metrics.num_waiting.set(0)
+                    self.metrics.kv_cache_usage.set(status.kv_cache_usage)
+            case Dead(reason):
+                self.error = reason
+                self._call(self._fail_all, EngineDeadError(reason))
 
     def _call(self, callback, *args) -> None:
         try:
@@ -179,8 +179,8 @@ class AsyncEngine:
                 del self._queues[output.request_id]
             queue.put_nowait(output)
 
-    def _settle(self, added: list[tuple[str, BaseException | None]]) -> None:
-        for request_id, error in added:
+    def _settle(self, results: tuple[tuple[str, Exception | None], ...]) -> None:
+        for request_id, error in results:
             future = self._adding.pop(request_id, None)
             if future is None or future.done():
                 continue
@@ -216,7 +216,7 @@ class AsyncEngine:
         cut = self._end_all(ShuttingDownError(f"the server is shutting down: the request did not finish within "
                                               f"shutdown_timeout ({timeout:g} s)"))
         if cut and self.is_alive:
-            self._submit([("abort", rid, "abort") for rid in cut])
+            self._submit([Abort(rid, "abort") for rid in cut])
         return len(cut)
 
     # ---- introspection (event loop thread) ----------------------------------------------

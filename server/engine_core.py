@@ -7,19 +7,20 @@ process (`ThreadCore`). Only the channel differs; the loop is one.
 
     API process                                   engine core (process or thread)
     -----------                                   -------------------------------
-    submit([("add", prompt, ((rid, params), ...))])  sleep while idle; between steps apply commands
-    submit([("abort", rid, reason)])  ---------->  step()
-    on_message(message)  <-----------------------  ("ready", EngineInfo)          once, at start
-                                                   ("added", [(rid, error), ...])  error: None or the ValueError
-                                                   ("step", outputs, stats, EngineStatus)
-                                                   ("idle", EngineStatus)
-                                                   ("aborted", final RequestOutput, reason)
-                                                   ("dead", reason)                 the loop died
+    submit([Add(prompt_token_ids, requests)])     sleep while idle; between steps apply commands
+    submit([Abort(request_id, reason)])  ------>  step()
+    on_message(message)  <----------------------  Ready(EngineInfo)                  once, at start
+                                                  Added(((request_id, error), ...))  error: None or the ValueError
+                                                  Stepped(outputs, stats, EngineStatus)
+                                                  Idle(EngineStatus)
+                                                  Aborted(final RequestOutput, reason)
+                                                  Dead(reason)                       the loop died
 
-Commands are applied only between steps, so the engine is never touched by two threads. An "add"
-carries its prompt once for all the choices (n) that share it. Messages are pickled (both ends are
-this package, over a private pipe) and small: a step's token deltas and its statistics. Commands to
-a process core are pickled and written by a thread of their own, in order, so that a long prompt
+The commands and messages are the frozen dataclasses of server/core_messages.py. Commands are
+applied only between steps, so the engine is never touched by two threads. An Add carries its
+prompt once for all the choices (n) that share it. Messages are pickled (both ends are this
+package, over a private pipe) and small: a step's token deltas and its statistics. Commands to a
+process core are pickled and written by a thread of their own, in order, so that a long prompt
 never holds the event loop while the engine process is busy with a step and not reading.
 """
 from __future__ import annotations
@@ -32,50 +33,25 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
-from engine.engine import EngineStatus
 from engine.outputs import RequestOutput, RequestTiming
+from server.core_messages import (
+    Abort, Aborted, Add, Added, Command, Dead, EngineInfo, Idle, Message, Ready, Stepped, Stop,
+)
 
 logger = logging.getLogger("specserve.server")
 
-STOP = ("stop",)
 IDLE_PAUSE_S = 0.005   # when nothing could be scheduled: wait this long for a command instead of spinning
 IDLE_CHECK_S = 1.0     # while idle, ask the engine this often whether its other processes still live
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the API process needs to know of the engine, sent once when the core is ready."""
-    model: str
-    method: str
-    proposers: tuple[str, ...]
-    max_model_len: int
-    vocab_size: int
-    dtype: str
-    quantization: str
-    device: str
-    num_blocks: int
-    block_size: int
-    gamma: int
-    num_threads: int
-    pid: int
-
-    @classmethod
-    def of(cls, engine) -> "EngineInfo":
-        import torch
-        return cls(engine.config.model, engine.method, tuple(engine.configured_proposers), engine.max_model_len,
-                   engine.vocab_size, str(engine.dtype).replace("torch.", ""), engine.quantization, str(engine.device),
-                   engine.pool.num_blocks, engine.pool.block_size, engine.gamma, torch.get_num_threads(), os.getpid())
 
 
 class EngineCore:
     """The loop. `inbox.get(block, timeout)` returns the commands queued so far (when block, waiting
     up to timeout for one) or None to stop; `inbox.pause()` waits briefly for a command; `send(message)` delivers."""
 
-    def __init__(self, engine, inbox, send: Callable[[tuple], None]):
+    def __init__(self, engine, inbox, send: Callable[[Message], None]):
         self.engine, self.inbox, self.send = engine, inbox, send
 
     def run(self) -> None:
@@ -87,48 +63,44 @@ class EngineCore:
                 if commands is None:
                     return
                 if idle and not commands:   # a quiet second: a dead worker must not wait for a request
-                    self._check_alive()
+                    self.engine.check_alive()
                     continue
                 self._apply(commands)
                 if not self.engine.has_unfinished_requests():
-                    self.send(("idle", self.status()))
+                    self.send(Idle(self.engine.status()))
                     continue
                 outputs = self.engine.step()
-                status = self.status()
-                fresh = status is not None and status.num_steps != last_step   # a step ran a pass
-                last_step = status.num_steps if status is not None else 0
+                status = self.engine.status()
+                fresh = status.num_steps != last_step   # a step ran a pass
+                last_step = status.num_steps
                 if not fresh and not outputs:
                     self.inbox.pause()   # nothing could be scheduled this time: do not spin
                     continue
-                self.send(("step", outputs, self.engine.last_stats if fresh else None, status))
+                self.send(Stepped(outputs, self.engine.last_stats if fresh else None, status))
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop is reported, not re-raised
             logger.exception("the engine loop died")
-            self.send(("dead", f"the engine loop died: {type(exc).__name__}: {exc}"))
+            self.send(Dead(f"the engine loop died: {type(exc).__name__}: {exc}"))
 
-    def _check_alive(self) -> None:
-        check = getattr(self.engine, "check_alive", None)   # test doubles of the engine may have none
-        if check is not None:
-            check()
-
-    def status(self) -> EngineStatus | None:
-        status = getattr(self.engine, "status", None)   # test doubles of the engine may have none
-        return status() if status is not None else None
-
-    def _apply(self, commands: list[tuple]) -> None:
+    def _apply(self, commands: list[Command]) -> None:
         added = []
         for command in commands:
-            if command[0] == "add":
-                _, prompt, requests = command
-                for request_id, params in requests:
-                    try:
-                        self.engine.add_request(request_id, prompt, params)
-                        added.append((request_id, None))
-                    except Exception as exc:  # noqa: BLE001 - bad input fails its request, never the loop
-                        added.append((request_id, exc))
-            else:
-                self._abort(*command[1:])
+            match command:
+                case Add():
+                    added += self._add(command)
+                case Abort(request_id, reason):
+                    self._abort(request_id, reason)
         if added:
-            self.send(("added", added))
+            self.send(Added(tuple(added)))
+
+    def _add(self, add: Add) -> list[tuple[str, Exception | None]]:
+        results = []
+        for request_id, params in add.requests:
+            try:
+                self.engine.add_request(request_id, add.prompt_token_ids, params)
+                results.append((request_id, None))
+            except Exception as exc:  # noqa: BLE001 - bad input fails its request, never the loop
+                results.append((request_id, exc))
+        return results
 
     def _abort(self, request_id: str, reason: str) -> None:
         request = self.engine.abort_request(request_id)
@@ -140,23 +112,23 @@ class EngineCore:
         final = RequestOutput(request_id, [], finished=True, finish_reason=reason,
                               num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
                               spec=request.spec_stats, timing=timing)
-        self.send(("aborted", final, reason))
+        self.send(Aborted(final, reason))
 
 
 # ---- the core on a thread of the API process ----------------------------------------------------
 
 class _ThreadInbox:
     def __init__(self):
-        self.commands: deque[tuple] = deque()
+        self.commands: deque[Command] = deque()
         self.wakeup = threading.Condition()
         self.stopping = False
 
-    def put(self, commands: list[tuple]) -> None:
+    def put(self, commands: list[Command]) -> None:
         with self.wakeup:
             self.commands.extend(commands)
             self.wakeup.notify()
 
-    def get(self, block: bool, timeout: float | None = None) -> list[tuple] | None:
+    def get(self, block: bool, timeout: float | None = None) -> list[Command] | None:
         """The commands queued so far; when block, first waits for one (at most timeout seconds: then
         none), or None once stopping."""
         with self.wakeup:
@@ -192,12 +164,12 @@ class ThreadCore:
     def info(self) -> EngineInfo:
         return EngineInfo.of(self.engine)
 
-    def start(self, on_message: Callable[[tuple], None]) -> None:
+    def start(self, on_message: Callable[[Message], None]) -> None:
         core = EngineCore(self.engine, self._inbox, on_message)
         self._thread = threading.Thread(target=core.run, name="specserve-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, commands: list[tuple]) -> None:
+    def submit(self, commands: list[Command]) -> None:
         self._inbox.put(commands)
 
     def stop(self, timeout: float) -> None:
@@ -216,13 +188,13 @@ class _PipeInbox:
     def __init__(self, conn):
         self.conn = conn
 
-    def get(self, block: bool, timeout: float | None = None) -> list[tuple] | None:
+    def get(self, block: bool, timeout: float | None = None) -> list[Command] | None:
         commands = []
         if block:
             self.conn.poll(timeout)
         while self.conn.poll(0):
             command = self.conn.recv()
-            if command == STOP:
+            if isinstance(command, Stop):
                 return None
             commands.append(command)
         return commands
@@ -257,9 +229,9 @@ def _process_main(config, conn, num_threads: int, log_level: str) -> None:
         engine = Engine(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the API process, which exits
         logger.exception("the engine failed to start")
-        conn.send(("dead", f"the engine failed to start: {type(exc).__name__}: {exc}"))
+        conn.send(Dead(f"the engine failed to start: {type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", EngineInfo.of(engine)))
+    conn.send(Ready(EngineInfo.of(engine)))
     try:
         EngineCore(engine, _PipeInbox(conn), conn.send).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -269,7 +241,7 @@ def _process_main(config, conn, num_threads: int, log_level: str) -> None:
 class ProcessCore:
     """The loop in a child process (spawned: a fresh interpreter, so no OpenMP or CUDA state is
     inherited), talking over a pipe. A reader thread in the API process turns what arrives into
-    on_message calls; when the child dies, on_message gets ("dead", reason)."""
+    on_message calls; when the child dies, on_message gets Dead(reason)."""
     kind = "process"
 
     def __init__(self, config, num_threads: int | None = None, log_level: str = "info",
@@ -295,27 +267,29 @@ class ProcessCore:
             self.process.join(5)
             raise RuntimeError(f"the engine process exited while starting (exit code {self.process.exitcode})") \
                 from None
-        if message[0] != "ready":
-            self.process.join(5)
-            raise RuntimeError(message[1])
-        return message[1]
+        match message:
+            case Ready(info):
+                return info
+            case Dead(reason):
+                self.process.join(5)
+                raise RuntimeError(reason)
 
-    def start(self, on_message: Callable[[tuple], None]) -> None:
+    def start(self, on_message: Callable[[Message], None]) -> None:
         threading.Thread(target=self._read, args=(on_message,), name="specserve-core-reader", daemon=True).start()
 
-    def _read(self, on_message: Callable[[tuple], None]) -> None:
+    def _read(self, on_message: Callable[[Message], None]) -> None:
         try:
             while True:
                 message = self._conn.recv()
                 on_message(message)
-                if message[0] == "dead":
+                if isinstance(message, Dead):
                     return
         except (EOFError, OSError):
             self.process.join(1.0)
             if self.process.exitcode is not None or not self.process.is_alive():
-                on_message(("dead", f"the engine process exited (exit code {self.process.exitcode})"))
+                on_message(Dead(f"the engine process exited (exit code {self.process.exitcode})"))
 
-    def submit(self, commands: list[tuple]) -> None:
+    def submit(self, commands: list[Command]) -> None:
         """Queue commands for the writer thread; never blocks (the pipe may be full while the engine
         process runs a step)."""
         if self._send_error is not None or not self.process.is_alive():
@@ -324,7 +298,7 @@ class ProcessCore:
             self._outbox.put(command)
 
     def _write(self) -> None:
-        """Send the queued commands in order, until STOP or a broken pipe (the reader then reports
+        """Send the queued commands in order, until Stop or a broken pipe (the reader then reports
         the process's death)."""
         while True:
             command = self._outbox.get()
@@ -333,12 +307,12 @@ class ProcessCore:
             except (BrokenPipeError, OSError) as exc:
                 self._send_error = str(exc)
                 return
-            if command == STOP:
+            if isinstance(command, Stop):
                 return
 
     def stop(self, timeout: float) -> None:
         try:
-            self.submit([STOP])
+            self.submit([Stop()])
         except ConnectionError:
             pass
         self.process.join(timeout)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from conftest import InProcessServer
+from server.core_messages import Add, Command
 
 MODEL = "tiny"
 MAX_PROMPT_CHARS = 4000
@@ -39,7 +40,7 @@ def served(tiny_pair):
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=4))
     app = create_app(engine, load_tokenizer(str(target)), MODEL, max_prompt_chars=MAX_PROMPT_CHARS)
     server = app.state.server
-    sent: list[tuple] = []
+    sent: list[Command] = []
     core = server.async_engine.core
     submit = core.submit
     core.submit = lambda commands: (sent.extend(commands), submit(commands))[-1]
@@ -252,16 +253,16 @@ def test_a_prompt_crosses_to_the_engine_once_whatever_n_is(url, served):
     sent.clear()
     done = post(url, "/v1/completions", {"prompt": prompt, "n": 64, "max_tokens": 1, "temperature": 1, "seed": 3})
     assert done.status_code == 200 and len(done.json()["choices"]) == 64, done.text
-    adds = [command for command in sent if command[0] == "add"]
-    assert len(adds) == 1, [c[0] for c in sent]
-    _, sent_prompt, requests = adds[0]
-    assert sent_prompt == prompt and len(requests) == 64
+    adds = [command for command in sent if isinstance(command, Add)]
+    assert len(adds) == 1, sent
+    assert adds[0].prompt_token_ids == prompt and len(adds[0].requests) == 64
+    requests = adds[0].requests
     assert len({rid for rid, _ in requests}) == 64 and [params.seed for _, params in requests] == list(range(3, 67))
     sent.clear()   # two prompts: one add each
     done = post(url, "/v1/completions", {"prompt": [prompt[:50], prompt[50:90]], "n": 3, "max_tokens": 1})
     assert done.status_code == 200 and len(done.json()["choices"]) == 6, done.text
-    adds = [command for command in sent if command[0] == "add"]
-    assert [(len(p), len(r)) for _, p, r in adds] == [(50, 3), (40, 3)]
+    adds = [command for command in sent if isinstance(command, Add)]
+    assert [(len(add.prompt_token_ids), len(add.requests)) for add in adds] == [(50, 3), (40, 3)]
 
 
 # ---- errors the server did not expect ---------------------------------------------------------------

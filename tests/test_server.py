@@ -172,6 +172,7 @@ class CountingEngine:
     def __init__(self):
         self.requests: dict[str, CountingRequest] = {}
         self.polls = 0
+        self.num_steps = 0
         self.last_stats = None
 
     def add_request(self, request_id, prompt_token_ids, params):
@@ -186,8 +187,16 @@ class CountingEngine:
         self.polls += 1
         return bool(self.requests)
 
+    def status(self):
+        from engine.engine import EngineStatus
+        return EngineStatus(len(self.requests), len(self.requests), 0, 0, 0, 0.0, self.num_steps)
+
+    def check_alive(self):
+        pass   # nothing of it lives in another process
+
     def step(self):
         from engine.outputs import RequestOutput
+        self.num_steps += 1
         outputs = []
         for request_id, request in list(self.requests.items()):
             request.num_output_tokens += 1
@@ -235,6 +244,7 @@ def test_a_dying_engine_loop_fails_the_commands_it_had_taken():
     EngineDeadError (it used to wait forever)."""
     from engine.sampling_params import SamplingParams
     from server.async_engine import AsyncEngine, EngineDeadError
+    from server.core_messages import Abort
 
     class BrokenAbort(CountingEngine):
         def abort_request(self, request_id):
@@ -243,13 +253,33 @@ def test_a_dying_engine_loop_fails_the_commands_it_had_taken():
     async def scenario():
         bridge = AsyncEngine(BrokenAbort())
         bridge.start()
-        bridge.core.submit([("abort", "x", "abort")])   # kills the loop
+        bridge.core.submit([Abort("x", "abort")])   # kills the loop
         with pytest.raises(EngineDeadError, match="abort bug"):
             await asyncio.wait_for(bridge.add_requests([([1], [("c", SamplingParams())])], asyncio.Queue()), 10)
         assert not bridge.is_alive
         bridge.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_every_command_and_message_crosses_a_pipe_unchanged():
+    import multiprocessing
+
+    from engine.engine import EngineStatus
+    from engine.outputs import RequestOutput
+    from engine.sampling_params import SamplingParams
+    from server.core_messages import Abort, Aborted, Add, Added, Dead, EngineInfo, Idle, Ready, Stepped, Stop
+
+    status = EngineStatus(1, 1, 0, 7, 8, 0.125, 3)
+    output = RequestOutput("a", [5], finished=False)
+    info = EngineInfo("tiny", "draft", ("draft",), 64, 272, "float32", "none", "cpu", 8, 16, 4, 1, 123)
+    crossing = [Add([1, 2, 3], (("a", SamplingParams(seed=1)), ("b", SamplingParams(seed=2)))), Abort("a", "stop"),
+                Stop(), Ready(info), Added((("a", None),)), Stepped([output], None, status), Idle(status),
+                Aborted(output, "abort"), Dead("gone")]
+    here, there = multiprocessing.Pipe()
+    for item in crossing:
+        here.send(item)
+        assert there.recv() == item
 
 
 # ---- endpoints -----------------------------------------------------------------------------------
