@@ -150,9 +150,10 @@ def test_a_stream_that_leaves_while_its_grammar_waits_cancels_the_compile(served
 
 def trickle(port: int, head: bytes, drip: bytes, interval: float = 0.25, limit: float = 10.0) -> tuple[bytes, float]:
     """Send `head`, then `drip` a byte at a time every `interval` seconds until the server answers
-    or closes; returns (what it answered, seconds from the first byte)."""
+    or closes; returns (what it answered, seconds from the connection's opening, where the server's head
+    deadline starts)."""
+    started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        started = time.monotonic()
         sock.sendall(head)
         sock.settimeout(interval)
         reply = b""
