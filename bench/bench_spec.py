@@ -99,7 +99,8 @@ KV_BYTES = 512 << 20   # 4,096 tokens of the fp32 target: batch 16 needs ~1,700;
 def speculative_llm(target: str, draft: str, dtype: str, gamma: int, adaptive: bool, batch: int) -> LLM:
     return LLM(target, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=max(batch, 16), kv_cache_memory_bytes=KV_BYTES,
                **ENGINE_OPTIONS,
-               speculative={"method": "draft", "model": draft, "num_speculative_tokens": gamma, "adaptive": adaptive})
+               speculative={"method": "draft", "draft": {"model": draft}, "num_speculative_tokens": gamma,
+                            "adaptive": adaptive})
 
 
 def with_oracle(llm: LLM, continuations, alpha: float) -> OracleProposer:

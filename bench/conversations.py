@@ -119,14 +119,14 @@ def method_configs(spec, gamma: int) -> dict[str, dict | None]:
     between all of them); spec is the config's speculative section."""
     static = {"adaptive": False, "num_speculative_tokens": gamma}
     methods = {"none": None, "ngram": {"method": "ngram", **static}}
-    if spec.model:
-        methods["draft"] = {"method": "draft", "model": spec.model, **static}
-    if spec.head:
-        methods["eagle"] = {"method": "eagle", "head": spec.head, **static}
+    if spec.draft.model:
+        methods["draft"] = {"method": "draft", "draft": {"model": spec.draft.model}, **static}
+    if spec.draft.head:
+        methods["eagle"] = {"method": "eagle", "draft": {"head": spec.draft.head}, **static}
     methods["suffix"] = {"method": "suffix", **static}
     proposers = [m for m in ("draft", "eagle", "ngram", "suffix") if m in methods]
-    methods["auto"] = {"method": "auto", "model": spec.model, "head": spec.head, "proposers": proposers,
-                       "num_speculative_tokens": gamma}
+    methods["auto"] = {"method": "auto", "draft": {"model": spec.draft.model, "head": spec.draft.head},
+                       "proposers": proposers, "num_speculative_tokens": gamma}
     return methods
 
 

@@ -110,7 +110,7 @@ def launch(name: str, args, config: dict, concurrency: int) -> Launched:
     command = [args.llama_server, "-m", config["model"], "--port", str(port), "-t", str(args.threads),
                "-np", str(concurrency), "-c", str(4096 * concurrency), "--jinja"]
     if name == "llama.cpp draft":
-        command += ["-md", config["speculative"]["model"], "--spec-type", "draft-simple", "-td", str(args.threads)]
+        command += ["-md", config["speculative"]["draft"]["model"], "--spec-type", "draft-simple", "-td", str(args.threads)]
     return Launched(name, command, port, config["model"]).wait("/v1/models", 900)
 
 

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--methods: choose among {', '.join(methods)}; got {', '.join(sorted(unknown))}")
         methods = {m: methods[m] for m in methods if m in {"none", *args.methods}}   # plain decoding: the baseline
     lines = [f"# Spec-Bench dev: {len(questions)} questions ({args.per_category} per category), greedy, "
-             f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.model}"]
+             f"max_tokens {args.max_tokens}, gamma {spec.gamma}, target {config.model}, draft {spec.draft.model}"]
     results: dict = {"questions": len(questions), "max_tokens": args.max_tokens, "gamma": spec.gamma}
     rounds_sessions = [question_sessions(load_questions(Path(args.questions), args.per_category, offset=r))
                        for r in range(args.rounds)]
@@ -218,7 +218,7 @@ def peers(config, spec, questions, args, ours: dict[str, Run], results: dict) ->
     torch_dtype = resolve_dtype(config.dtype, load_hf_config(config.model), torch.device("cpu"), "none")
     tokenizer = load_tokenizer(config.model)
     target = hf_model(config.model, torch_dtype).eval()
-    draft = hf_model(spec.model, torch_dtype).eval()
+    draft = hf_model(spec.draft.model, torch_dtype).eval()
     draft.generation_config.num_assistant_tokens = spec.gamma
     peer_runs = {
         "transformers plain": run_peer(target, tokenizer, questions, args.max_tokens),

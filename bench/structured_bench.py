@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         kind.structured.grammar()
     spec_label = f"spec ({spec.method}: {'+'.join(spec.proposers or ())} + grammar)"
     lines = [f"# Structured outputs (JSON schema) on {config.model}: {spec_label} vs plain decoding, greedy, "
-             f"max_tokens {args.max_tokens}, gamma {spec.gamma}, draft {spec.model}",
+             f"max_tokens {args.max_tokens}, gamma {spec.gamma}, draft {spec.draft.model}",
              f"CPU: {cpu_name()}; torch threads {torch.get_num_threads()}",
              f"{len(kinds)} schemas ({', '.join(k.name for k in kinds)}); {len(prompts)} distinct prompts, "
              f"{min(map(len, prompts.values()))}-{max(map(len, prompts.values()))} tokens"]

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted[name] = method_configs(config.speculative, int(gamma) if gamma else args.gamma)[method]
         if tree:
             wanted[name] = {**wanted[name], "tree_nodes": args.tree_nodes}
-    lines = [f"# Workloads on {config.model} (draft {config.speculative.model}), greedy, max_tokens "
+    lines = [f"# Workloads on {config.model} (draft {config.speculative.draft.model}), greedy, max_tokens "
              f"{args.max_tokens}, gamma {args.gamma}"]
     results: dict = {}
     tree_lines: list[str] = []

@@ -12,7 +12,7 @@ import torch
 
 from engine.attention import FLASH_BLOCK_SIZE, flash_available
 from engine.cpu_kernels import fused_ops_usable
-from engine.config import EngineConfig
+from engine.config import DraftConfig, EngineConfig
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
 from engine.models.eagle import load_eagle_head
@@ -155,32 +155,32 @@ def resolve_quantization(name: str, dtype_name: str, dtype: torch.dtype, device:
     return "gguf" if serves_gguf_blocks(model_path) else "bf16"
 
 
-def draft_output_tokens(spec, draft_config) -> torch.Tensor | None:
-    """The token ids a draft vocabulary (`speculative.draft_vocab: N`) keeps: the first N and every
+def draft_output_tokens(draft: DraftConfig, draft_config) -> torch.Tensor | None:
+    """The token ids a draft vocabulary (`speculative.draft.vocab: N`) keeps: the first N and every
     special token (chat markers, end of text). BPE ids follow merge order, so the first ones are the
     frequent ones; a draft that cannot propose a token only loses that draft position (the target's
     token stands), and its proposal q, zero outside, keeps rejection sampling exact."""
-    if spec.draft_vocab is None or spec.draft_vocab >= draft_config.vocab_size:
+    if draft.vocab is None or draft.vocab >= draft_config.vocab_size:
         return None
-    ids = set(range(spec.draft_vocab)) | {i for i in special_token_ids(spec.model) if i < draft_config.vocab_size}
+    ids = set(range(draft.vocab)) | {i for i in special_token_ids(draft.model) if i < draft_config.vocab_size}
     return torch.tensor(sorted(ids))
 
 
-def _draft_requantization(spec, device: torch.device) -> str | None:
-    """The GGUF type the draft's linears are re-quantized into (`speculative.quantization`), upper case;
+def _draft_requantization(draft: DraftConfig, device: torch.device) -> str | None:
+    """The GGUF type the draft's linears are re-quantized into (`speculative.draft.quantization`), upper case;
     a CPU option: it serves them with the GGUF kernels."""
-    if spec.quantization is None:
+    if draft.quantization is None:
         return None
     if device.type != "cpu":
-        raise ValueError(f"speculative.quantization ({spec.quantization}) serves the draft with the CPU's GGUF "
+        raise ValueError(f"speculative.draft.quantization ({draft.quantization}) serves the draft with the CPU's GGUF "
                          f"kernels; the engine runs on {device}")
     reason = gguf_linear.unavailable_reason()
     if reason:
-        raise ValueError(f"speculative.quantization ({spec.quantization}) needs the CPU kernels: {reason}")
+        raise ValueError(f"speculative.draft.quantization ({draft.quantization}) needs the CPU kernels: {reason}")
     if not gguf_linear.vnni_available():
-        logger.warning("speculative.quantization %s: no AVX512-VNNI here, the draft runs on the portable "
-                       "(slow) GGUF loop", spec.quantization)
-    return spec.quantization.upper()
+        logger.warning("speculative.draft.quantization %s: no AVX512-VNNI here, the draft runs on the portable "
+                       "(slow) GGUF loop", draft.quantization)
+    return draft.quantization.upper()
 
 
 def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
@@ -205,7 +205,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         tp, workers = start_group(config, device)
     dtype = tensor_parallel_dtype(config, hf_config, device) if tp else \
         resolve_dtype(config.dtype, hf_config, device, config.quantization, config.model)
-    draft_dtype = _DTYPES[spec.dtype] if spec.dtype else dtype
+    draft_dtype = _DTYPES[spec.draft.dtype] if spec.draft.dtype else dtype
     # Each runner decides from its own dtype: flash-attn has no fp32 kernels.
     target_flash = flash_available(device) and dtype != torch.float32
     draft_flash = flash_available(device) and draft_dtype != torch.float32 and "draft" in spec.proposers
@@ -220,15 +220,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                               random_weights=dummy)
     draft_model = draft_config = head = None
     if "draft" in spec.proposers:
-        draft_config = load_hf_config(spec.model)
-        check_same_tokenizer(config.model, hf_config, spec.model, draft_config)
-        requantize = _draft_requantization(spec, device)
-        draft_model = _prepared(load_model(spec.model, draft_dtype, device, quantization == "gguf",
-                                           draft_output_tokens(spec, draft_config), requantize, random_weights=dummy),
-                                draft_dtype, device, quantization)
+        draft_config = load_hf_config(spec.draft.model)
+        check_same_tokenizer(config.model, hf_config, spec.draft.model, draft_config)
+        requantize = _draft_requantization(spec.draft, device)
+        draft_model = _prepared(load_model(spec.draft.model, draft_dtype, device, quantization == "gguf",
+                                           draft_output_tokens(spec.draft, draft_config), requantize,
+                                           random_weights=dummy), draft_dtype, device, quantization)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
-        head = _prepared(load_eagle_head(spec.head, target_model, dtype, device), dtype, device, quantization)
+        head = _prepared(load_eagle_head(spec.draft.head, target_model, dtype, device), dtype, device, quantization)
     verify_rows = 1 + max(spec.gamma, spec.tree_nodes)   # one request's largest pass: its last token and drafts
     if tp is None:   # a shard keeps plain linears: the parallel ones communicate, packed ones would not
         # One request's verification pass computes each row as a decode step would: greedy speculation
@@ -258,16 +258,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if "draft" in spec.proposers:
         proposers["draft"] = DraftModelProposer(
             ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
-            hf_config.vocab_size, spec.draft_temperature)
+            hf_config.vocab_size, spec.draft.temperature)
     if head is not None:
         proposers["eagle"] = EagleProposer(
             ModelRunner(head, num_blocks, block_size, dtype, device, target_flash), target, hf_config.vocab_size,
-            spec.draft_temperature)
+            spec.draft.temperature)
     if "ngram" in spec.proposers:
-        proposers["ngram"] = NgramProposer(spec.ngram_min, spec.ngram_max)
+        proposers["ngram"] = NgramProposer(spec.ngram.min, spec.ngram.max)
     if "suffix" in spec.proposers:
-        proposers["suffix"] = SuffixProposer(spec.suffix_max_match, spec.suffix_cache_tokens, spec.suffix_min_prob,
-                                             spec.suffix_min_score, spec.suffix_spec_factor)
+        suffix = spec.suffix
+        proposers["suffix"] = SuffixProposer(suffix.max_match, suffix.cache_tokens, suffix.min_prob, suffix.min_score,
+                                             suffix.spec_factor)
     grids = {target: verify_rows}
     if "draft" in proposers:
         grids[proposers["draft"].runner] = verify_rows   # drafting passes (a tree's levels), and catch-ups
@@ -276,9 +277,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     costs = StepCosts()
     methods = [m for m in ("grammar", *spec.proposers) if m in proposers]   # a static plan's preference
     if spec.adaptive:
-        policy: Policy = GoodputPolicy(methods, costs, spec.draft_p_min)
+        policy: Policy = GoodputPolicy(methods, costs, spec.p_min)
     else:
-        policy = StaticPolicy(methods, spec.gamma, costs, spec.draft_p_min)
+        policy = StaticPolicy(methods, spec.gamma, costs, spec.p_min)
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
         _calibrate(costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)

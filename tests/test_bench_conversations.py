@@ -91,14 +91,14 @@ def test_spread_names_the_mean_and_the_range():
 
 
 def test_auto_over_a_proposer_subset():
-    from types import SimpleNamespace
     from conversations import auto_over, method_configs
+    from engine.config import SpeculativeConfig
 
-    spec = SimpleNamespace(model="draft-dir", head="head-dir")
+    spec = SpeculativeConfig(draft={"model": "draft-dir", "head": "head-dir"})
     methods = method_configs(spec, gamma=4)
     assert methods["auto"]["proposers"] == ["draft", "eagle", "ngram", "suffix"]
     subset = auto_over(methods, "auto:eagle+ngram")
-    assert subset["proposers"] == ["eagle", "ngram"] and subset["head"] == "head-dir"
-    no_head = method_configs(SimpleNamespace(model="draft-dir", head=None), gamma=4)
+    assert subset["proposers"] == ["eagle", "ngram"] and subset["draft"]["head"] == "head-dir"
+    no_head = method_configs(SpeculativeConfig(draft={"model": "draft-dir"}), gamma=4)
     with pytest.raises(ValueError, match="cannot build eagle"):
         auto_over(no_head, "auto:eagle+ngram")

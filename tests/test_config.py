@@ -38,16 +38,19 @@ max_num_seqs: 8
 kv_cache_memory: 2GiB
 speculative:
   method: draft
-  model: models/draft
   num_speculative_tokens: 4
+  draft:
+    model: models/draft
+    temperature: 0.5
 """)
     env = {"SPECSERVE_PORT": "2000", "SPECSERVE_MAX_NUM_SEQS": "16", "SPECSERVE_API_KEY": "k",
-           "SPECSERVE_SPECULATIVE_CONFIG": json.dumps({"num_speculative_tokens": 2})}
+           "SPECSERVE_SPECULATIVE_CONFIG": json.dumps({"num_speculative_tokens": 2, "draft": {"temperature": 0.7}})}
     config = load_config(config_file, {"port": "3000"}, environ=env)
     assert config.port == 3000 and config.engine.max_num_seqs == 16 and config.api_key == "k"
     assert config.engine.kv_cache_memory_bytes == 2 * 2**30
-    spec = config.engine.speculative   # merged key by key: method and model from YAML, gamma from env
-    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft", "models/draft", 2)
+    spec = config.engine.speculative   # merged key by key: method and draft model from YAML, the rest from env
+    assert (spec.method, spec.draft.model, spec.num_speculative_tokens) == ("draft", "models/draft", 2)
+    assert spec.draft.temperature == 0.7
     assert config.served_model_name == "models/target" and config.tokenizer == "models/target"
     assert config.host == "127.0.0.1" and config.engine.dtype == "auto"
 
@@ -95,7 +98,10 @@ def test_unknown_key_is_an_error_naming_it(models):
     ("model: models/target\nenable_prefix_caching: maybe\n", "enable_prefix_caching"),
     ("model: models/target\nspeculative: draft\n", "speculative"),
     ("model: models/target\nspeculative: {method: ngram, adaptive: 'false'}\n", "speculative.adaptive"),
-    ("model: models/target\nspeculative: {method: ngram, dtype: bf16}\n", "speculative.dtype"),
+    ("model: models/target\nspeculative: {method: ngram, draft: {dtype: bf16}}\n", "speculative.draft.dtype"),
+    ("model: models/target\nspeculative: {method: ngram, ngram: {max: 0}}\n", "speculative.ngram"),
+    ("model: models/target\nspeculative: {ngram: {maximum: 3}}\n", "speculative.ngram: maximum"),
+    ("model: models/target\nspeculative: {ngram: 3}\n", "speculative.ngram must be a mapping"),
     ("model: models/target\nmax_num_seqs: 0\n", "max_num_seqs"),
     ("port: 1\n", "model"),
     ("- model\n", "mapping"),

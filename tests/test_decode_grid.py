@@ -67,7 +67,7 @@ def test_engine_on_decode_grids_decodes_like_plain(tiny_pair):
     prompts = [[1, 2, 3, 4, 5], [7] * 40, [9, 8], list(range(20, 45))]
     plain = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True).generate(prompts, params)
     llm = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True,
-              speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False})
+              speculative={"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 4, "adaptive": False})
     runners = [llm.engine.target, llm.engine.proposer.proposers["draft"].runner]
     passes = {"target": 0, "draft": 0}
     for runner, name, query_len in zip(runners, passes, (5, 5)):   # the draft's catch-ups on its grid too
@@ -89,7 +89,7 @@ def test_engine_verifies_trees_on_decode_grids_like_plain(tiny_pair):
     prompts = [stem + [1, 2] + stem + [3, 4] + stem + [5, 6] + stem, [7] * 40, list(range(20, 45))]
     plain = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True).generate(prompts, params)
     llm = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True,
-              speculative={"method": "auto", "proposers": ["draft", "ngram"], "model": str(draft),
+              speculative={"method": "auto", "proposers": ["draft", "ngram"], "draft": {"model": str(draft)},
                            "num_speculative_tokens": 4, "tree_nodes": 8, "adaptive": False})
     runners = [llm.engine.target, llm.engine.proposer.proposers["draft"].runner]
     tree_passes = {"target": 0, "draft": 0}

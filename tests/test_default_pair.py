@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = read_yaml(str(ROOT / "configs" / "default.yaml"))
 PAIR = read_yaml(str(ROOT / "configs" / "smollm2-draft.yaml"))
 EAGLE = read_yaml(str(ROOT / "configs" / "default-eagle.yaml"))
-TARGET, DRAFT = ROOT / DEFAULT["model"], ROOT / PAIR["speculative"]["model"]
-HEAD = ROOT / EAGLE["speculative"]["head"]
+TARGET, DRAFT = ROOT / DEFAULT["model"], ROOT / PAIR["speculative"]["draft"]["model"]
+HEAD = ROOT / EAGLE["speculative"]["draft"]["head"]
 GAMMA = PAIR["speculative"]["num_speculative_tokens"]
 PINNED_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -49,7 +49,7 @@ def plain():
 
 @pytest.fixture(scope="module")
 def speculative():
-    return LLM(str(TARGET), dtype="float32", speculative={"method": "draft", "model": str(DRAFT),
+    return LLM(str(TARGET), dtype="float32", speculative={"method": "draft", "draft": {"model": str(DRAFT)},
                                                           "num_speculative_tokens": GAMMA, "adaptive": False})
 
 
@@ -88,7 +88,7 @@ def test_the_committed_eagle_head_is_small_lossless_and_accepted(plain):
     """configs/default-eagle.yaml's head: a few MiB beside the target, greedy output equal to plain
     decoding (fp32), and its acceptance on the pinned prompts where the committed head put it."""
     assert sum(f.stat().st_size for f in HEAD.iterdir()) <= 16 * 2**20
-    llm = LLM(str(TARGET), dtype="float32", speculative={"method": "eagle", "head": str(HEAD),
+    llm = LLM(str(TARGET), dtype="float32", speculative={"method": "eagle", "draft": {"head": str(HEAD)},
                                                           "num_speculative_tokens": 4, "adaptive": False})
     params = SamplingParams(max_tokens=48, temperature=0)
     prompts = [chat(plain, q) for q in PINNED_PROMPTS]

@@ -429,7 +429,7 @@ def test_k8s_objects_reference_each_other(k8s):
     config_flag = container["args"][container["args"].index("--config") + 1]
     key = config_flag.removeprefix("/config/")
     config = yaml.safe_load(k8s[f"ConfigMap/{config_map}"]["data"][key])
-    assert config["model"].startswith("/models/") and config["speculative"]["model"].startswith("/models/")
+    assert config["model"].startswith("/models/") and config["speculative"]["draft"]["model"].startswith("/models/")
     claim = volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
     assert f"PersistentVolumeClaim/{claim}" in k8s
 

@@ -223,7 +223,7 @@ def test_distill_chat_data_from_target_layers_into_a_gguf_draft(chat_target, tmp
     assert (out / "draft.gguf").exists() and not (out / "model.safetensors").exists()
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for name, spec in (("plain", None), ("draft", {"method": "draft", "model": str(out), "num_speculative_tokens": 3, "adaptive": False})):
+    for name, spec in (("plain", None), ("draft", {"method": "draft", "draft": {"model": str(out)}, "num_speculative_tokens": 3, "adaptive": False})):
         engine = Engine(EngineConfig(model=str(chat_target), dtype="float32", **({"speculative": spec} if spec else {})))
         outputs[name] = run_requests(engine, [[1, 2, 3, 4, 5]], params)[0]
     assert outputs["draft"] == outputs["plain"]

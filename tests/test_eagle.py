@@ -48,8 +48,9 @@ def plain_greedy(paths, prompts):
     return run(EngineConfig(model=paths["target"], dtype="float32"), prompts)[0]
 
 
-def eagle(paths, gamma: int = 3, **extra) -> dict:
-    return {"method": "eagle", "head": paths["head"], "num_speculative_tokens": gamma, "adaptive": False, **extra}
+def eagle(paths, gamma: int = 3, head: str | None = None, **extra) -> dict:
+    return {"method": "eagle", "draft": {"head": head or paths["head"]}, "num_speculative_tokens": gamma,
+            "adaptive": False, **extra}
 
 
 class TruthfulDrafts:
@@ -132,7 +133,7 @@ def test_greedy_eagle_with_partial_acceptance_preemption_and_chunked_prefill(pat
 
 
 def test_auto_routes_between_eagle_draft_and_ngram_losslessly(paths, prompts, plain_greedy):
-    spec = {"method": "auto", "head": paths["head"], "model": paths["draft"], "num_speculative_tokens": 4}
+    spec = {"method": "auto", "draft": {"head": paths["head"], "model": paths["draft"]}, "num_speculative_tokens": 4}
     outputs, engine = run(EngineConfig(model=paths["target"], dtype="float32", speculative=spec), prompts)
     assert outputs == plain_greedy
     assert engine.proposer.methods == ["grammar", "draft", "eagle", "ngram", "suffix"]   # grammar: forced tokens
@@ -268,8 +269,8 @@ def test_eagle_sampling_matches_the_target_distribution(paths):
     prompt = [rng.randrange(256) for _ in range(12)] + [3, 17, 42, 3, 17]
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=5, ignore_eos=True)
     exact = exact_three_tokens(paths["target1"], prompt, params)
-    spec = {"method": "auto", "head": paths["copy_head"], "num_speculative_tokens": 2, "adaptive": False,
-            "proposers": ["eagle", "ngram"], "ngram_max": 2}
+    spec = {"method": "auto", "draft": {"head": paths["copy_head"]}, "num_speculative_tokens": 2, "adaptive": False,
+            "proposers": ["eagle", "ngram"], "ngram": {"max": 2}}
     engine = Engine(EngineConfig(model=paths["target1"], dtype="float32", max_num_seqs=1024, num_kv_blocks=4096,
                                  max_num_batched_tokens=16384, speculative=spec))
     counts = dict.fromkeys(exact, 0)
@@ -300,10 +301,10 @@ def test_eagle_sampling_matches_the_target_distribution(paths):
 
 
 def test_bad_eagle_configs_fail_at_start_up(paths, tmp_path):
-    with pytest.raises(ValueError, match="speculative.head"):
+    with pytest.raises(ValueError, match="speculative.draft.head"):
         EngineConfig(model=paths["target"], speculative={"method": "eagle"})
     with pytest.raises(ValueError, match="not an EAGLE head"):
-        EngineConfig(model=paths["target"], speculative={"method": "eagle", "head": paths["draft"]})
+        EngineConfig(model=paths["target"], speculative={"method": "eagle", "draft": {"head": paths["draft"]}})
     other = make_tiny_checkpoint(tmp_path / "wide", arch="llama", hidden_size=96, num_heads=4, num_kv_heads=2)
     with pytest.raises(ValueError, match="hidden size"):
         Engine(EngineConfig(model=str(other), dtype="float32", speculative=eagle(paths)))

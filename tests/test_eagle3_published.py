@@ -68,7 +68,7 @@ def target(tmp_path_factory):
 
 
 def spec(head, gamma=3):
-    return {"method": "eagle", "head": str(head), "num_speculative_tokens": gamma, "adaptive": False}
+    return {"method": "eagle", "draft": {"head": str(head)}, "num_speculative_tokens": gamma, "adaptive": False}
 
 
 def rms(x, weight, eps=1e-5):

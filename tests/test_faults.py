@@ -42,7 +42,7 @@ PROMPTS = [[POISON, 40, 41, 42], [8, 40, 41], [9, 50, 51, 52, 53], [10, 60]]
 def make_engine(tiny_pair, adaptive: bool = True, **config) -> Engine:
     target, draft = tiny_pair
     return Engine(EngineConfig(model=str(target), dtype="float32", device="cpu",
-                               speculative={"method": "draft", "model": str(draft), "adaptive": adaptive}, **config))
+                               speculative={"method": "draft", "draft": {"model": str(draft)}, "adaptive": adaptive}, **config))
 
 
 def run(engine: Engine, prompts) -> dict[str, tuple[list[int], str | None, str | None]]:
@@ -164,7 +164,7 @@ def test_a_device_error_kills_the_engine_at_once(tiny_pair, monkeypatch):
 def server_with_faults(tiny_pair, tmp_path, faults: dict, *args: str) -> ServerProcess:
     target, draft = tiny_pair
     env = {"PYTHONPATH": str(Path(__file__).parent / "faults"), "SPECSERVE_TEST_FAULTS": json.dumps(faults)}
-    speculative = json.dumps({"method": "draft", "model": str(draft)})
+    speculative = json.dumps({"method": "draft", "draft": {"model": str(draft)}})
     return ServerProcess(["--model", str(target), *FLAGS, "--speculative", speculative, *args], env=env,
                          log_path=tmp_path / "server.log").start().wait_ready()
 

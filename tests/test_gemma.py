@@ -238,7 +238,7 @@ def test_speculative_greedy_equals_plain(engine_pair):
     _, target, draft = engine_pair
     greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
     plain = LLM(str(target), dtype="float32", device="cpu", block_size=4).generate(PROMPTS * 3, greedy)
-    spec = {"method": "auto", "model": str(draft), "proposers": ["draft", "ngram", "suffix"],
+    spec = {"method": "auto", "draft": {"model": str(draft)}, "proposers": ["draft", "ngram", "suffix"],
             "num_speculative_tokens": 4, "adaptive": False}
     llm = LLM(str(target), dtype="float32", device="cpu", block_size=4, speculative=spec)
     methods = [m for m in ("ngram", "suffix", "draft") for _ in PROMPTS]

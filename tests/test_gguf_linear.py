@@ -150,12 +150,13 @@ def test_a_safetensors_model_under_gguf_serves_its_linears_as_bf16(qwen):
 
 @pytest.mark.parametrize("quantization", ["gguf", "auto"])
 def test_a_draft_vocabulary_keeps_greedy_decoding_exact(qwen, tmp_path, quantization):
-    """`speculative.draft_vocab`: the draft's LM head over the first N ids and the special tokens only
+    """`speculative.draft.vocab`: the draft's LM head over the first N ids and the special tokens only
     (from its GGUF blocks under gguf, a dense row subset otherwise); tokens outside get no mass."""
     draft = to_gguf(qwen, tmp_path / "draft.gguf", "Q8_0")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(str(qwen), quantization=quantization).generate([PROMPT], params)[0]
-    spec = {"method": "draft", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False, "draft_vocab": 100}
+    spec = {"method": "draft", "draft": {"model": str(draft), "vocab": 100}, "num_speculative_tokens": 4,
+            "adaptive": False}
     llm = LLM(str(qwen), quantization=quantization, speculative=spec)
     out = llm.generate([PROMPT], params)[0]
     assert out.token_ids == plain.token_ids and out.spec.proposed > 0
@@ -172,20 +173,20 @@ def test_a_bad_draft_vocabulary_is_an_error_naming_it():
     from engine.config import SpeculativeConfig
 
     for bad in (0, -5, True, "32k"):
-        with pytest.raises(ValueError, match="draft_vocab"):
-            SpeculativeConfig(method="ngram", draft_vocab=bad)
+        with pytest.raises(ValueError, match="speculative.draft.vocab"):
+            SpeculativeConfig(method="ngram", draft={"vocab": bad})
 
 
 @pytest.mark.parametrize("draft_format", ["safetensors", "gguf"])
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_a_requantized_draft_keeps_greedy_decoding_exact(qwen, tmp_path, draft_format, qtype):
-    """`speculative.quantization`: the draft's linears quantized at load (from a dense checkpoint or a
+    """`speculative.draft.quantization`: the draft's linears quantized at load (from a dense checkpoint or a
     GGUF file's dequantized blocks) and served by the GGUF kernels; the output is the target's."""
     draft = qwen if draft_format == "safetensors" else to_gguf(qwen, tmp_path / "draft.gguf", "Q8_0")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(str(qwen), quantization="none").generate([PROMPT], params)[0]
-    spec = {"method": "draft", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False,
-            "quantization": qtype, "draft_vocab": 256}
+    spec = {"method": "draft", "draft": {"model": str(draft), "quantization": qtype, "vocab": 256},
+            "num_speculative_tokens": 4, "adaptive": False}
     llm = LLM(str(qwen), quantization="none", speculative=spec)
     out = llm.generate([PROMPT], params)[0]
     assert out.token_ids == plain.token_ids and out.spec.proposed > 0 and out.spec.accepted > 0
@@ -211,7 +212,7 @@ def test_a_bad_draft_quantization_is_an_error_naming_it():
     from engine.config import SpeculativeConfig
 
     for bad in ("q4_k", "int8", 4):
-        with pytest.raises(ValueError, match="speculative.quantization must be one of"):
-            SpeculativeConfig(method="ngram", quantization=bad)
+        with pytest.raises(ValueError, match="speculative.draft.quantization must be one of"):
+            SpeculativeConfig(method="ngram", draft={"quantization": bad})
     with pytest.raises(ValueError, match="needs the draft proposer"):
-        SpeculativeConfig(method="ngram", quantization="q4_0")
+        SpeculativeConfig(method="ngram", draft={"quantization": "q4_0"})

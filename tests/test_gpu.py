@@ -40,7 +40,7 @@ def test_engine_on_cuda_matches_cpu(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", seed=0)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [7] * 40, [9, 8]]
-    spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 4, "adaptive": False}
+    spec = {"method": "draft", "draft": {"model": str(path)}, "num_speculative_tokens": 4, "adaptive": False}
     cpu = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params)
     gpu = LLM(str(path), dtype="float32", device="cuda", speculative=spec).generate(prompts, params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
@@ -53,7 +53,8 @@ def test_bf16_target_with_fp32_draft_on_cuda(tmp_path):
     from engine import LLM, SamplingParams
 
     path = make_tiny_checkpoint(tmp_path / "tiny", arch="llama", seed=0)
-    spec = {"method": "draft", "model": str(path), "num_speculative_tokens": 3, "adaptive": False, "dtype": "float32"}
+    spec = {"method": "draft", "draft": {"model": str(path), "dtype": "float32"}, "num_speculative_tokens": 3,
+            "adaptive": False}
     llm = LLM(str(path), dtype="bfloat16", device="cuda", speculative=spec)
     assert not llm.engine.proposer.proposers["draft"].runner.use_flash
     assert llm.engine.target.use_flash == flash_available(torch.device("cuda"))
@@ -84,7 +85,7 @@ def test_cuda_graphs_decode_like_cpu(tmp_path):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [7] * 40, [9, 8], list(range(20, 45)), [3] * 7]
     cpu = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params)
-    spec = {"method": "auto", "model": str(path), "proposers": ["draft", "ngram"], "num_speculative_tokens": 4}
+    spec = {"method": "auto", "draft": {"model": str(path)}, "proposers": ["draft", "ngram"], "num_speculative_tokens": 4}
     llm = LLM(str(path), dtype="float32", device="cuda", cuda_graphs=True, speculative=spec)
     gpu = llm.generate(prompts, params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
@@ -106,7 +107,7 @@ def test_draft_trees_on_cuda_graphs_decode_like_cpu(tmp_path):
     for arch, extra in (("llama", {}), ("mistral", {"sliding_window": 72})):
         path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=0, **extra)
         cpu = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params)
-        spec = {"method": "auto", "model": str(path), "proposers": ["draft", "ngram"], "num_speculative_tokens": 4,
+        spec = {"method": "auto", "draft": {"model": str(path)}, "proposers": ["draft", "ngram"], "num_speculative_tokens": 4,
                 "tree_nodes": 8, "adaptive": False}
         llm = LLM(str(path), dtype="float32", device="cuda", cuda_graphs=True, speculative=spec)
         gpu = llm.generate(prompts, params)

@@ -65,7 +65,7 @@ def speculative(method: str, checkpoints) -> dict | None:
     if method == "none":
         return None
     spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
-    return {**spec, "model": str(checkpoints[1])} if method == "draft" else spec
+    return {**spec, "draft": {"model": str(checkpoints[1])}} if method == "draft" else spec
 
 
 def make_llm(checkpoints, method: str = "none", **engine_options):

@@ -357,7 +357,7 @@ def test_real_engine_steps(request, tmp_path):
 
     target, draft = _tiny_pair(request, tmp_path)   # a noisy copy: some drafts accepted, some rejected
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4,
-                                 speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}))
+                                 speculative={"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 3, "adaptive": False}))
     metrics = Metrics(MODEL, engine.method)
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

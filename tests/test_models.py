@@ -380,7 +380,7 @@ def test_engine_generates_past_the_window(tmp_path, speculative):
 
     path = make_tiny_checkpoint(tmp_path / "mistral", arch="mistral", seed=11, sliding_window=WINDOW)
     if speculative and speculative["method"] == "draft":
-        speculative = {**speculative, "model": str(path)}
+        speculative = {**speculative, "draft": {"model": str(path)}}
     llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=12, block_size=4,
               speculative=speculative)
     assert llm.engine.max_model_len == 512   # max_position_embeddings, not the window

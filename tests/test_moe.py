@@ -337,16 +337,16 @@ def test_greedy_generation_equals_transformers_generate(family, paths, prompts):
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 SPEC_METHODS = {   # (target, dense draft) -> speculative config
-    "dense_draft": lambda target, draft: {"method": "draft", "model": str(draft), "num_speculative_tokens": 4,
-                                          "adaptive": False},
+    "dense_draft": lambda target, draft: {"method": "draft", "draft": {"model": str(draft)},
+                                          "num_speculative_tokens": 4, "adaptive": False},
     # the target drafting for itself: every draft accepted, and an MoE model as the proposer
-    "self_draft": lambda target, draft: {"method": "draft", "model": str(target), "num_speculative_tokens": 3,
-                                         "adaptive": False},
+    "self_draft": lambda target, draft: {"method": "draft", "draft": {"model": str(target)},
+                                         "num_speculative_tokens": 3, "adaptive": False},
     # the same, its linears (the routers among them) re-quantized to q8_0 at load: GGUF-served routers
-    "q8_self_draft": lambda target, draft: {"method": "draft", "model": str(target), "num_speculative_tokens": 3,
-                                            "adaptive": False, "quantization": "q8_0"},
+    "q8_self_draft": lambda target, draft: {"method": "draft", "draft": {"model": str(target), "quantization": "q8_0"},
+                                            "num_speculative_tokens": 3, "adaptive": False},
     "ngram": lambda target, draft: {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False,
-                                    "ngram_max": 3},
+                                    "ngram": {"max": 3}},
     "suffix": lambda target, draft: {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
 }
 

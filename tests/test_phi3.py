@@ -55,7 +55,8 @@ def test_greedy_speculation_is_lossless(method, paths, prompts, tmp_path):
     target = str(paths["longrope"])
     spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
     if method == "draft":   # a one-layer random Llama with the same tokenizer: drafts rejected and rolled back
-        spec["model"] = str(make_tiny_checkpoint(tmp_path / "draft", arch="llama", seed=3, num_layers=1))
+        draft = make_tiny_checkpoint(tmp_path / "draft", arch="llama", seed=3, num_layers=1)
+        spec["draft"] = {"model": str(draft)}
     plain = run_requests(Engine(EngineConfig(model=target, dtype="float32")), prompts, GREEDY)[0]
     config = EngineConfig(model=target, dtype="float32", block_size=4, max_num_batched_tokens=32, speculative=spec)
     tokens, finals = run_requests(Engine(config), prompts, GREEDY)

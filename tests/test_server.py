@@ -27,7 +27,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 def spec_config(draft) -> dict:
-    return {"method": "draft", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False}
+    return {"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 4, "adaptive": False}
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -677,7 +677,8 @@ def scripted_server(tmp_path_factory):
     torch.set_num_threads(1)
     path = str(make_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model", SCRIPT))
     engine = Engine(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=8,
-                                 speculative={"method": "draft", "model": path, "num_speculative_tokens": 4, "adaptive": False}))
+                                 speculative={"method": "draft", "draft": {"model": path}, "num_speculative_tokens": 4,
+                                              "adaptive": False}))
     with InProcessServer(create_app(engine, load_tokenizer(path), MODEL, None, Metrics(MODEL, engine.method))) as s:
         yield s
 

@@ -19,7 +19,7 @@ MODEL = "tiny-metrics"
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
-    spec = json.dumps({"method": "draft", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False})
+    spec = json.dumps({"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 3, "adaptive": False})
     log = tmp_path_factory.mktemp("metrics") / "server.log"
     process = ServerProcess(["--model", str(target), "--served-model-name", MODEL, "--dtype", "float32",
                              "--speculative-config", spec], log_path=log).start().wait_ready()

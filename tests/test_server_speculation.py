@@ -24,7 +24,7 @@ REPETITIVE = "abcabcabcabcabcabcabcabcabc"   # the n-gram proposer finds its suf
 
 
 def auto_config(draft) -> dict:
-    return {"method": "auto", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False}
+    return {"method": "auto", "draft": {"model": str(draft)}, "num_speculative_tokens": 4, "adaptive": False}
 
 
 def build_server(target, speculative: dict) -> InProcessServer:

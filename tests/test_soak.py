@@ -363,7 +363,7 @@ def test_soak_mixed_requests_lose_nothing_and_leak_nothing(tiny_pair, tmp_path):
     tokenizer = load_tokenizer(str(target))
     rng = random.Random(SEED)
     specs = [make_spec(rng, i, tokenizer) for i in range(NUM_REQUESTS)]
-    speculative = {"method": "draft", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False}
+    speculative = {"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 4, "adaptive": False}
     server = ServerProcess(["--model", str(target), "--served-model-name", MODEL, "--dtype", "float32",
                             "--device", "cpu", "--num-kv-blocks", "128", "--max-num-seqs", "32",
                             "--speculative-config", json.dumps(speculative),

@@ -52,9 +52,9 @@ def plain_greedy(paths, prompts):
 
 def spec_config(paths, kind: str, gamma: int) -> dict:
     if kind == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": gamma, "adaptive": False, "ngram_max": 3}
+        return {"method": "ngram", "num_speculative_tokens": gamma, "adaptive": False, "ngram": {"max": 3}}
     draft = paths["target"] if kind == "copy_draft" else paths["random_draft"]
-    return {"method": "draft", "model": draft, "num_speculative_tokens": gamma, "adaptive": False}
+    return {"method": "draft", "draft": {"model": draft}, "num_speculative_tokens": gamma, "adaptive": False}
 
 
 @pytest.mark.parametrize("kind", ["copy_draft", "random_draft", "ngram"])
@@ -103,7 +103,7 @@ def test_acceptance_counts_with_copy_draft(paths, prompts, gamma):
     rounds = 3
     params = SamplingParams(max_tokens=1 + rounds * (gamma + 1), temperature=0.0, ignore_eos=True)
     config = EngineConfig(model=paths["target"], dtype="float32",
-                          speculative={"method": "draft", "model": paths["target"], "num_speculative_tokens": gamma, "adaptive": False})
+                          speculative={"method": "draft", "draft": {"model": paths["target"]}, "num_speculative_tokens": gamma, "adaptive": False})
     tokens, finals = generate(config, prompts, params)
     for t, f in zip(tokens, finals):
         assert f.spec.proposed == f.spec.accepted == rounds * gamma
@@ -159,7 +159,7 @@ def test_output_ending_inside_an_accepted_run(scripted, end, expected_tokens, ac
     params = SamplingParams(max_tokens=8 if end == "length" else 30, temperature=0.0,
                             stop_token_ids=[ord("y")] if end == "stop_token" else ())
     config = EngineConfig(model=scripted, dtype="float32",
-                          speculative={"method": "draft", "model": scripted, "num_speculative_tokens": 4, "adaptive": False})
+                          speculative={"method": "draft", "draft": {"model": scripted}, "num_speculative_tokens": 4, "adaptive": False})
     tokens, finals = generate(config, [list(b"Q: ")], params)
     assert tokens[0] == expected_tokens
     assert finals[0].finish_reason == ("length" if end == "length" else "stop")
@@ -179,7 +179,7 @@ def test_seeded_speculative_output_is_independent_of_the_batch(paths, prompts, p
     limits = {"token_budget": dict(max_num_batched_tokens=12),
               "kv_cache": dict(block_size=4, num_kv_blocks=32, max_num_batched_tokens=24)}[pressure]
     config = EngineConfig(model=paths["target"], dtype="float32", **limits,
-                          speculative={"method": "draft", "model": paths["random_draft"], "num_speculative_tokens": 4, "adaptive": False})
+                          speculative={"method": "draft", "draft": {"model": paths["random_draft"]}, "num_speculative_tokens": 4, "adaptive": False})
     mine = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=1234, ignore_eos=True)
     alone, _ = generate(config, [prompts[2]], mine)
     # Older requests are scheduled first: with a tight budget, the two ahead of this one (short
@@ -200,17 +200,17 @@ def test_bad_speculative_configs_fail_at_start_up(paths, tmp_path):
     with pytest.raises(ValueError, match="speculative method must be one of"):
         SpeculativeConfig(method="medusa-ish")
     with pytest.raises(ValueError, match="is not a checkpoint directory"):
-        SpeculativeConfig(method="draft", model=str(tmp_path))
+        SpeculativeConfig(method="draft", draft={"model": str(tmp_path)})
     with pytest.raises(ValueError, match="unknown speculative config keys: \\['gama'\\]"):
         EngineConfig(model=paths["target"], speculative={"method": "ngram", "gama": 3})
     other_vocab = make_tiny_checkpoint(tmp_path / "v300", arch="llama", vocab_size=300, seed=3)
     with pytest.raises(ValueError, match=r"the tokenizer has 300 tokens but the target has only 272 embedding rows"):
-        Engine(EngineConfig(model=paths["target"], speculative={"method": "draft", "model": str(other_vocab)}))
+        Engine(EngineConfig(model=paths["target"], speculative={"method": "draft", "draft": {"model": str(other_vocab)}}))
     other_tokens = make_tiny_checkpoint(tmp_path / "renamed", arch="llama", seed=3)
     tokenizer_json = other_tokens / "tokenizer.json"
     tokenizer_json.write_text(tokenizer_json.read_text().replace('"<extra_3>"', '"<other_3>"'))
     with pytest.raises(ValueError, match=r"the draft's tokenizer differs from the target's \(token 264: '<other_3>' vs '<extra_3>'"):
-        Engine(EngineConfig(model=paths["target"], speculative={"method": "draft", "model": str(other_tokens)}))
+        Engine(EngineConfig(model=paths["target"], speculative={"method": "draft", "draft": {"model": str(other_tokens)}}))
 
 
 def test_draft_with_a_differently_padded_embedding_table(paths, prompts, plain_greedy, tmp_path):
@@ -222,7 +222,7 @@ def test_draft_with_a_differently_padded_embedding_table(paths, prompts, plain_g
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{paths['target']}/{name}", padded / name)
     config = EngineConfig(model=paths["target"], dtype="float32",
-                          speculative={"method": "draft", "model": str(padded), "num_speculative_tokens": 3, "adaptive": False})
+                          speculative={"method": "draft", "draft": {"model": str(padded)}, "num_speculative_tokens": 3, "adaptive": False})
     tokens, finals = generate(config, prompts, GREEDY)
     assert tokens == plain_greedy
     assert sum(f.spec.proposed for f in finals) > 0
@@ -350,14 +350,15 @@ def position_pvalues(counts: np.ndarray, probs: np.ndarray) -> dict[str, float]:
     return out
 
 
-def draft_spec(draft: str, **extra) -> dict:
-    return {"method": "draft", "model": draft, "num_speculative_tokens": 3, "adaptive": False, **extra}
+def draft_spec(draft: str, temperature: float | None = None, **extra) -> dict:
+    return {"method": "draft", "draft": {"model": draft, "temperature": temperature}, "num_speculative_tokens": 3,
+            "adaptive": False, **extra}
 
 
 SAMPLING_CASES = {   # (sampling fields, draft config extras or None for n-gram, seeded)
     "draft-temperature-top_k": (dict(temperature=0.8, top_k=12), {}, False),
     "draft-top_p-min_p": (dict(temperature=1.0, top_p=0.85, min_p=0.05), {}, False),
-    "draft_temperature": (dict(temperature=0.8), {"draft_temperature": 1.3}, False),
+    "draft_temperature": (dict(temperature=0.8), {"temperature": 1.3}, False),
     "ngram": (dict(temperature=0.9, top_k=10), None, False),
     "seeded-draft-top_p": (dict(temperature=0.9, top_p=0.9), {}, True),
     "seeded-ngram": (dict(temperature=0.9, top_k=10), None, True),
@@ -374,12 +375,14 @@ def run_case(target: str, draft: str, case: str, num: int = SAMPLES) -> tuple[np
     fields, extra, seeded = SAMPLING_CASES[case]
     params = SamplingParams(max_tokens=5, ignore_eos=True, **fields)
     if extra is None:   # deterministic drafts (q one-hot) from the prompt
-        spec, prompt = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3}, ngram_prompt(target)
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "ngram": {"max": 3}}
+        prompt = ngram_prompt(target)
     elif extra == "tree":   # n-gram drafts as branching trees (several deterministic children per node)
-        spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3, "tree_nodes": 6}
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "ngram": {"max": 3}, "tree_nodes": 6}
         prompt = tree_prompt(target)
     elif extra == "mixed":   # model drafts and n-gram guesses verified in the same passes
-        spec = {"method": "auto", "model": draft, "num_speculative_tokens": 3, "adaptive": False, "ngram_max": 3}
+        spec = {"method": "auto", "draft": {"model": draft}, "num_speculative_tokens": 3, "adaptive": False,
+                "ngram": {"max": 3}}
         prompt = ngram_prompt(target)
     else:
         spec, prompt = draft_spec(draft, **extra), PROMPT

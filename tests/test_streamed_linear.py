@@ -243,7 +243,7 @@ def test_engine_on_streamed_weights_decodes_like_a_model_holding_those_weights(p
     reference = _greedy(str(rounded), PROMPTS)
     assert _greedy(target, PROMPTS, quantization=fmt) == reference
     assert _greedy(target, PROMPTS, quantization=fmt, speculative={
-        "method": "draft", "model": draft, "num_speculative_tokens": 3}) == reference
+        "method": "draft", "draft": {"model": draft}, "num_speculative_tokens": 3}) == reference
     assert _greedy(target, PROMPTS, quantization=fmt, speculative={
         "method": "ngram", "num_speculative_tokens": 3}) == reference
 
@@ -261,7 +261,7 @@ def test_speculation_on_bf16_dot_products_decodes_exactly_like_plain_decoding(pa
     assert layers and all(m.blocks is not None for m in layers)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     reference = [out.token_ids for out in llm.generate(PROMPTS, params)]
-    for speculative in ({"method": "draft", "model": draft, "num_speculative_tokens": 3},
+    for speculative in ({"method": "draft", "draft": {"model": draft}, "num_speculative_tokens": 3},
                         {"method": "ngram", "num_speculative_tokens": 3}):
         assert _greedy(target, PROMPTS, quantization="bf16", speculative=speculative) == reference
 

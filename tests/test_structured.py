@@ -65,7 +65,7 @@ def test_greedy_output_matches_its_grammar(plain, kind):
 def test_speculation_under_a_grammar_keeps_plain_decodings_tokens(models, plain, method):
     spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
     if method == "draft":
-        spec["model"] = models[1]
+        spec["draft"] = {"model": models[1]}
     llm = LLM(models[0], dtype="float32", speculative=spec)
     proposed = 0
     for kind in sorted(SPECS):
@@ -251,7 +251,7 @@ def test_a_draft_model_drafts_under_the_grammar(models, plain, monkeypatch):
         return keep
 
     monkeypatch.setattr(GrammarState, "valid_prefix", recording)
-    llm = LLM(models[0], dtype="float32", speculative={"method": "draft", "model": models[1],
+    llm = LLM(models[0], dtype="float32", speculative={"method": "draft", "draft": {"model": models[1]},
                                                       "num_speculative_tokens": 4, "adaptive": False})
     for kind in ("regex", "grammar", "json_schema"):
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured=SPECS[kind]))

@@ -47,8 +47,8 @@ def serve(speculative: dict | None) -> InProcessServer:
     from engine.tokenizer import load_tokenizer
     from server.api import create_app
     torch.set_num_threads(2)
-    speculative = None if speculative is None else {
-        **speculative, **({"model": str(ROOT / speculative["model"])} if "model" in speculative else {})}
+    if speculative and "draft" in speculative:   # the config's relative paths, from the repository root
+        speculative = {**speculative, "draft": {key: str(ROOT / path) for key, path in speculative["draft"].items()}}
     engine = Engine(EngineConfig(model=str(TARGET), dtype="float32", max_num_seqs=4, speculative=speculative))
     return InProcessServer(create_app(engine, load_tokenizer(str(TARGET)), MODEL))
 

@@ -121,9 +121,9 @@ def models(tmp_path_factory) -> Models:
 def speculative(models: Models, method: str) -> dict:
     spec = {"method": method, "num_speculative_tokens": GAMMA, "adaptive": False}
     if method == "draft":
-        spec["model"] = models.draft
+        spec["draft"] = {"model": models.draft}
     if method == "ngram":
-        spec["ngram_max"] = 3
+        spec["ngram"] = {"max": 3}
     return spec
 
 

@@ -205,12 +205,12 @@ def test_config_validation():
     from engine.config import SpeculativeConfig
     assert SpeculativeConfig(method="suffix").proposers == ("suffix",)
     assert "suffix" in SpeculativeConfig(method="auto").proposers
-    with pytest.raises(ValueError, match="suffix_max_match"):
-        SpeculativeConfig(method="suffix", suffix_max_match=0)
-    with pytest.raises(ValueError, match="suffix_cache_tokens"):
-        SpeculativeConfig(method="auto", suffix_cache_tokens=-1)
-    with pytest.raises(ValueError, match="suffix_min_prob"):
-        SpeculativeConfig(method="suffix", suffix_min_prob=1.5)
+    with pytest.raises(ValueError, match="speculative.suffix.max_match"):
+        SpeculativeConfig(method="suffix", suffix={"max_match": 0})
+    with pytest.raises(ValueError, match="speculative.suffix.cache_tokens"):
+        SpeculativeConfig(method="auto", suffix={"cache_tokens": -1})
+    with pytest.raises(ValueError, match="speculative.suffix.min_prob"):
+        SpeculativeConfig(method="suffix", suffix={"min_prob": 1.5})
 
 
 # ---- the engine with suffix drafts -------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_suffix_drafts_are_lossless_beside_model_drafts(pair):
     plain, _ = generate({"model": target}, PROMPTS, greedy)
     params = [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, speculative_method=m)
               for m in ("suffix", "draft", "suffix", "draft")]
-    spec = {"method": "auto", "model": draft, "proposers": ["draft", "suffix"], "num_speculative_tokens": 4,
+    spec = {"method": "auto", "draft": {"model": draft}, "proposers": ["draft", "suffix"], "num_speculative_tokens": 4,
             "adaptive": False}
     tokens, finals = generate({"model": target, "speculative": spec}, PROMPTS, params)
     assert tokens == plain

@@ -209,7 +209,7 @@ def build(tiny_pair, template: str | None, tool_call_parser: str = "auto") -> In
     from server.metrics import Metrics
     torch.set_num_threads(1)
     target, draft = tiny_pair
-    spec = {"method": "auto", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False}
+    spec = {"method": "auto", "draft": {"model": str(draft)}, "num_speculative_tokens": 4, "adaptive": False}
     engine = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8,
                                  speculative=spec))
     tokenizer = load_tokenizer(str(target))

@@ -34,7 +34,7 @@ def prompts():
 
 def tree_config(target: str, method: str, tree_nodes: int = 8, **engine) -> EngineConfig:
     spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False, "tree_nodes": tree_nodes,
-            "ngram_max": 3, "suffix_min_score": 1}
+            "ngram": {"max": 3}, "suffix": {"min_score": 1}}
     return EngineConfig(model=target, dtype="float32", speculative=spec, **engine)
 
 
@@ -156,7 +156,7 @@ def drafts(tmp_path_factory, target):
 
 
 def draft_tree_config(target: str, draft: str, tree_nodes: int = 8, **engine) -> EngineConfig:
-    spec = {"method": "draft", "model": draft, "num_speculative_tokens": 4, "adaptive": False,
+    spec = {"method": "draft", "draft": {"model": draft}, "num_speculative_tokens": 4, "adaptive": False,
             "tree_nodes": tree_nodes}
     return EngineConfig(model=target, dtype="float32", speculative=spec, **engine)
 

@@ -74,7 +74,8 @@ def held_out_acceptance(target: Path, draft: Path, answers: Path, gamma: int, co
     from train.common import read_jsonl
 
     rows = read_jsonl(answers)[::50][:count]   # the split `specserve distill` holds out
-    llm = LLM(str(target), speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": gamma})
+    llm = LLM(str(target), speculative={"method": "draft", "draft": {"model": str(draft)},
+                                         "num_speculative_tokens": gamma})
     outputs = llm.generate([row["prompt_token_ids"] for row in rows], SamplingParams(max_tokens=128, temperature=0.0))
     proposed = sum(o.spec.proposed for o in outputs)
     accepted = sum(o.spec.accepted for o in outputs)

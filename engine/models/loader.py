@@ -192,7 +192,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, gguf_blocks:
                tensor_parallel: TensorParallel | None = None, random_weights: bool = False) -> CausalLM:
     """The model on device in dtype; with gguf_blocks (`quantization: gguf`), a GGUF file's linears in
     kernel-supported types are served from their blocks (engine/models/gguf_linear.py), never dequantized;
-    with `requantize` (a GGUF type name: a draft's `speculative.quantization`), every linear of any
+    with `requantize` (a GGUF type name: a draft's `speculative.draft.quantization`), every linear of any
     checkpoint is quantized into that type at load and served by the same kernels.
     output_tokens (token ids): an LM head over those rows only (a draft vocabulary, see
     CausalLM.compute_logits). tensor_parallel: this rank's shard only (engine/models/parallel.py), read

