@@ -10,6 +10,7 @@ import pytest
 
 from server.cli import build_parser, main
 from server.config import OPTIONS, ConfigError, load_config, parse_size, read_yaml
+from server.config_reference import reference_tables, rewrite
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,3 +159,14 @@ def test_repository_configs_use_known_keys():
     files = sorted((REPO / "configs").glob("*.yaml"))
     for path in files:
         assert "model" in read_yaml(str(path)), path
+
+
+def test_the_docs_tables_are_the_generated_ones():
+    """docs/configuration.md's tables of keys are written from OPTIONS and SpeculativeConfig's fields
+    (`python -m server.config_reference docs/configuration.md`), so they cannot drift from the code."""
+    text = (REPO / "docs" / "configuration.md").read_text()
+    assert rewrite(text) == text, "docs/configuration.md is stale: python -m server.config_reference " \
+                                  "docs/configuration.md"
+    tables = reference_tables()
+    assert all(f"| `{option.key}`" in "".join(tables.values()) for option in OPTIONS if option.key != "speculative")
+    assert "| `suffix.cache_tokens` | int | `65536` |" in tables["## Speculative keys"]
