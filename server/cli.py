@@ -17,7 +17,8 @@ import logging
 import os
 import sys
 
-from server.config import ENV_PREFIX, OPTIONS, ConfigError, ServerConfig, load_config
+from server.config import ConfigError, ServerConfig, load_config
+from server.options import ENV_PREFIX, OPTIONS
 
 logger = logging.getLogger("specserve.server")
 

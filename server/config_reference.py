@@ -1,5 +1,5 @@
 """docs/configuration.md's tables of keys, written from the one place each key is declared: OPTIONS
-(server/config.py) for the server and engine keys, SpeculativeConfig's fields (engine/config.py) for the
+(server/options.py) for the server and engine keys, SpeculativeConfig's fields (engine/config.py) for the
 speculative ones. tests/test_config_reference.py checks that the file holds exactly these tables.
 
     python -m server.config_reference                          # print the tables
@@ -11,12 +11,9 @@ import sys
 from typing import Any
 
 from engine.config import speculative_fields
-from server.config import (OPTIONS, SERVER_KEYS, YAML_ALIASES, Option, _parse_bool, _parse_float, _parse_int,
-                           _parse_mapping, _parse_str, parse_size)
+from server.options import OPTIONS, PARSER_TYPES, SERVER_KEYS, YAML_ALIASES, Option
 
 HEADER = "| key | type | default | what it does and constraints |\n|---|---|---|---|"
-PARSER_TYPES = {_parse_int: "int", _parse_float: "float", _parse_bool: "bool", _parse_str: "string",
-                parse_size: "size", _parse_mapping: "mapping"}
 METAVAR_TYPES = {"PATH": "path", "SECONDS": "float, seconds"}
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from server.cli import build_parser, main
-from server.config import OPTIONS, ConfigError, load_config, parse_size, read_yaml
+from server.config import ConfigError, load_config, read_yaml
 from server.config_reference import reference_tables, rewrite
+from server.options import OPTIONS, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 

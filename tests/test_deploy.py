@@ -436,13 +436,14 @@ def test_k8s_objects_reference_each_other(k8s):
 
 def test_k8s_server_config_is_known_to_the_server(k8s, tmp_path):
     """The ConfigMap's config.yaml uses only keys and values the server's config reader accepts."""
-    from server import config as server_config
+    from server.config import read_yaml
+    from server.options import OPTIONS
     path = tmp_path / "config.yaml"
     path.write_text(k8s["ConfigMap/specserve-config"]["data"]["config.yaml"])
-    values = server_config.read_yaml(str(path))   # raises ConfigError on unknown keys or bad values
+    values = read_yaml(str(path))   # raises ConfigError on unknown keys or bad values
     assert values["model"] == "/models/target"
     env = {e["name"] for e in k8s["Deployment/specserve"]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    known = {option.env for option in server_config.OPTIONS}
+    known = {option.env for option in OPTIONS}
     assert {name for name in env if name.startswith("SPECSERVE_")} <= known
 
 
@@ -735,8 +736,8 @@ def test_k8s_tensor_parallel_variant():
     spec = patch["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
-    from server import config as server_config
-    assert set(env) <= {option.env for option in server_config.OPTIONS}
+    from server.options import OPTIONS
+    assert set(env) <= {option.env for option in OPTIONS}
     size = int(env["SPECSERVE_TENSOR_PARALLEL_SIZE"])
     assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"] \
         == size == 2

@@ -147,7 +147,7 @@ def test_the_parser_follows_the_template_or_the_config():
     assert isinstance(choose_parser(HERMES_TEMPLATE, "llama3_json"), Llama3JsonParser)
     with pytest.raises(ValueError, match="tool_call_parser"):
         choose_parser(None, "xml")
-    from server.config import TOOL_CALL_PARSERS
+    from server.options import TOOL_CALL_PARSERS
     from server.tool_parsers import PARSER_CLASSES
     assert TOOL_CALL_PARSERS == ("auto", *PARSER_CLASSES)   # the config key offers every parser
 
