@@ -12,7 +12,7 @@ sent as a `data: {"error": ...}` event followed by `data: [DONE]` (server.servin
 Besides OpenAI's fields, a request may carry `"speculative": {"method", "num_speculative_tokens"}`
 (protocol.SpeculativeOptions), which becomes SamplingParams.speculative_method /
 num_speculative_tokens; a proposer the server was not configured with is a 400 naming those it has.
-Responses (and streamed usage chunks) carry `"speculative"` beside `usage` (protocol.speculative).
+Responses (and streamed usage chunks) carry `"speculative"` beside `usage` (response_fields.speculative).
 """
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from server import protocol as p
+from server import response_fields
 from server.async_engine import Choice
 from server.middleware import GuardMiddleware
 from server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOOL_CALLS_PER_TURN, DEFAULT_WATCHDOG_TIMEOUT
+from server.errors import APIError, document_errors, install_error_handlers
 from server.serving import Server
 from server.tool_stream import ToolCallStop, ToolStream
 from server.tools import Function, ToolCall, template_messages
@@ -66,11 +68,11 @@ def create_app(engine, tokenizer, served_model_name: str, api_key: str | None = 
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.server = server
-    p.install_error_handlers(app)
+    install_error_handlers(app)
     # Authentication runs before the body is read, the size limit before it is parsed.
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_size=max_body_size, tenant_header=tenant_header)
     _add_routes(app, server)
-    p.document_errors(app)
+    document_errors(app)
     return app
 
 
@@ -101,7 +103,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def tokenize(body: p.TokenizeRequest):
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise p.APIError(400, "give exactly one of prompt and messages", param="prompt")
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
             tokens = await server.off_loop(_render, server, body.messages, body.add_generation_prompt,
                                            p.request_tools(body.tools))
@@ -117,11 +119,11 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         # a token is one character or more of text: what /tokenize takes, /detokenize gives back
         limit, vocab_size = server.max_prompt_chars, len(server.tokenizer)
         if len(body.tokens) > limit:
-            raise p.APIError(400, f"tokens: {len(body.tokens)} tokens, more than this server detokenizes in one "
-                                  f"request ({limit}, max_prompt_chars)", param="tokens")
+            raise APIError(400, f"tokens: {len(body.tokens)} tokens, more than this server detokenizes in one "
+                                f"request ({limit}, max_prompt_chars)", param="tokens")
         if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab_size):
             bad = next(t for t in body.tokens if not 0 <= t < vocab_size)
-            raise p.APIError(400, f"token id {bad} is outside the vocabulary", param="tokens")
+            raise APIError(400, f"token id {bad} is outside the vocabulary", param="tokens")
         return {"prompt": await server.off_loop(server.tokenizer.decode, body.tokens)}
 
     @app.get("/version")
@@ -132,19 +134,19 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def health():
         try:
             server.check_alive()   # shutting down, or the engine core dead: what new requests get
-        except p.APIError as error:
+        except APIError as error:
             return error.response()
         stalled = server.async_engine.stalled_for()
         if stalled > server.watchdog_timeout:
-            return p.APIError(503, f"the engine is stuck: no step has finished for {stalled:.0f} s while requests "
-                                   f"wait (watchdog_timeout {server.watchdog_timeout:g} s)", "server_error",
-                              code="engine_stalled").response()
+            return APIError(503, f"the engine is stuck: no step has finished for {stalled:.0f} s while requests "
+                                 f"wait (watchdog_timeout {server.watchdog_timeout:g} s)", "server_error",
+                            code="engine_stalled").response()
         return server.async_engine.health()
 
     @app.get("/metrics", response_class=PlainTextResponse)   # Prometheus text format
     async def metrics():
         if server.metrics is None:
-            raise p.APIError(404, "metrics are not enabled")
+            raise APIError(404, "metrics are not enabled")
         from server.metrics import CONTENT_TYPE
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -173,7 +175,7 @@ def _render(server: Server, messages: list[p.ChatMessage], add_generation_prompt
     try:
         return render_chat(server.tokenizer, dumped, add_generation_prompt, tools)
     except ChatTemplateError as exc:
-        raise p.APIError(400, str(exc), param="messages") from None
+        raise APIError(400, str(exc), param="messages") from None
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
@@ -184,7 +186,7 @@ async def _completion_prompts(server: Server, prompt, n: int) -> tuple[list[list
     if isinstance(prompt, str):
         prompt = [prompt]
     if len(prompt) == 0:
-        raise p.APIError(400, "prompt must not be empty", param="prompt")
+        raise APIError(400, "prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
     server.check_num_choices(len(prompt), n)
@@ -201,9 +203,9 @@ async def _completion_prompts(server: Server, prompt, n: int) -> tuple[list[list
 async def _completions(server: Server, body: p.CompletionRequest, request: Request):
     server.check_model(body.model)
     if body.best_of is not None and body.best_of != body.n:
-        raise p.APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
+        raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
     if body.suffix:
-        raise p.APIError(400, "suffix is not supported", param="suffix")
+        raise APIError(400, "suffix is not supported", param="suffix")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     scoring_only = max_tokens == 0 and body.echo   # scoring a prompt: echo (and logprobs), nothing generated
     prompts, texts = await _completion_prompts(server, body.prompt, body.n)
@@ -211,7 +213,7 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
         body, max_tokens=1 if scoring_only else max_tokens, logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     await server.compile_grammar(params.structured, body.structured_param)
-    request_id = p.new_id("cmpl")
+    request_id = response_fields.new_id("cmpl")
     choices = server.choices(prompts, params, body, request_id, keep_output=not scoring_only)
     generation = await server.start(choices, "prompt")
     # what echo puts in front of each choice's text: the prompt as given, else its decoded tokens
@@ -226,10 +228,11 @@ async def _completions(server: Server, body: p.CompletionRequest, request: Reque
         if echoed:
             ids, entries = choice.prompt_token_ids + ids, (choice.prompt_logprobs or [None] * len(
                 choice.prompt_token_ids)) + entries
-        return p.completion_logprobs(entries, ids, server.token_str, offset)
+        return response_fields.completion_logprobs(entries, ids, server.token_str, offset)
 
     num_prompt_tokens = sum(len(ids) for ids in prompts)
-    head = {"id": request_id, "object": "text_completion", "created": p.now(), "model": server.served_model_name}
+    head = {"id": request_id, "object": "text_completion", "created": response_fields.now(),
+            "model": server.served_model_name}
     if not body.stream:
         await server.run(generation, request)
 
@@ -270,26 +273,27 @@ async def _chat_completions(server: Server, body: p.ChatCompletionRequest, reque
     functions, tool_choice = body.tool_setup()
     offered = functions if tool_choice != "none" else []   # "none": the model is not told of the tools
     if body.top_logprobs is not None and not body.logprobs:
-        raise p.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     prompt = await server.off_loop(_render, server, body.messages, body.add_generation_prompt, offered)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:   # as much as the context leaves (at least 1, so a full prompt gets the context error)
         max_tokens = max(1, server.info.max_model_len - len(prompt))
     elif max_tokens < 1:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        raise p.APIError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
+        raise APIError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
     params = server.sampling_params(body, max_tokens=max_tokens,
                                     logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     params, grammar_param = _tool_grammar(server, body, params, functions, tool_choice)
     await server.compile_grammar(params.structured, grammar_param)
-    request_id = p.new_id("chatcmpl")
+    request_id = response_fields.new_id("chatcmpl")
     choices = server.choices([prompt], params, body, request_id)
     _end_tool_calls(server, choices, offered, body.parallel_tool_calls)
     generation = await server.start(choices, "messages")
-    head = {"id": request_id, "object": "chat.completion", "created": p.now(), "model": server.served_model_name}
+    head = {"id": request_id, "object": "chat.completion", "created": response_fields.now(),
+            "model": server.served_model_name}
 
     def logprobs_of(choice: Choice, start: int) -> dict | None:
-        return p.chat_logprobs(choice.logprobs[start:], server.token_str) if body.logprobs else None
+        return response_fields.chat_logprobs(choice.logprobs[start:], server.token_str) if body.logprobs else None
 
     if not body.stream:
         await server.run(generation, request)
@@ -353,8 +357,8 @@ def _tool_grammar(server: Server, body: p.ChatCompletionRequest, params, functio
     if tool_choice not in ("required",) and not isinstance(tool_choice, Function):
         return params, body.structured_param
     if params.structured is not None:
-        raise p.APIError(400, f"tool_choice {_shown_choice(tool_choice)} cannot be combined with "
-                              f"{body.structured_param}: both constrain the output", param="tool_choice")
+        raise APIError(400, f"tool_choice {_shown_choice(tool_choice)} cannot be combined with "
+                            f"{body.structured_param}: both constrain the output", param="tool_choice")
     if tool_choice == "required":   # calls of any function, several where parallel_tool_calls allows
         grammar = server.tool_parser.grammar(functions, body.parallel_tool_calls)
     else:                            # one call of the named function

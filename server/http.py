@@ -28,7 +28,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from server.config import (
     DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_TIMEOUT_KEEP_ALIVE,
 )
-from server.protocol import error_body
+from server.errors import error_body
 
 SHUTDOWN_BACKSTOP_S = 5.0
 

@@ -20,7 +20,7 @@ import json
 from contextvars import ContextVar
 
 from server.config import split_api_keys
-from server.protocol import error_body
+from server.errors import error_body
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})   # probes and scrapers send no key
 

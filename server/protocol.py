@@ -1,34 +1,23 @@
-"""OpenAI wire format: pydantic request models (the only pydantic in specserve), response shapes, errors.
+"""OpenAI wire format, requests: the pydantic models of completions, chat (its messages, tool calls and
+content parts), tokenize and detokenize, and the limits on what one request may ask.
 
 Requests ignore unknown fields (load generators send extra ones) but validate the known ones
 strictly: no bool for a number, no string for a number or a bool (an int is still a float), and
 enums (a message's role) are Literals. specserve's own extension object, `speculative`, is ours
-alone: unknown keys inside it are a 400 (a misspelt option must not pass silently). Responses are
-built as plain dicts: they are written once and never validated. Every error, FastAPI's own
-included, leaves as {"error": {"message", "type", "param", "code"}}; invalid requests are 400,
-never FastAPI's 422.
+alone: unknown keys inside it are a 400 (a misspelt option must not pass silently). An invalid
+request is an APIError (server/errors.py); responses are built from server/response_fields.py.
+Pydantic lives here and in the error models of server/errors.py only.
 """
 from __future__ import annotations
 
-import json
-import logging
-import math
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import MAX_SPEC_TOKENS, SPEC_METHODS
-from engine.outputs import SpecStats, TokenLogprob
 from engine.structured import MAX_SCHEMA_NODES, StructuredOutput, check_json_size
+from server.errors import APIError, shown_value
 from server.tools import Function, parse_tool_choice, parse_tools
-
-logger = logging.getLogger("specserve.server")
 
 MAX_N = 128
 MAX_CHOICES = 256        # prompts x n of one request: each is an engine request
@@ -40,7 +29,6 @@ MAX_TOOLS = 128          # OpenAI's own limit; each tool's schema is rendered in
 # nothing that serializes or walks them recursively (error messages, templates) can overflow; the
 # schemas inside are held to engine.structured's tighter MAX_SCHEMA_DEPTH where they are read.
 MAX_JSON_DEPTH = 256
-LOGPROB_FLOOR = -9999.0   # JSON has no -inf: a token the warped distribution excludes gets this
 
 
 # OpenAI's chat roles ("function" is its deprecated one); chat templates see the role as given.
@@ -114,7 +102,7 @@ def response_format_spec(value: Any) -> StructuredOutput | None:
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             raise ValueError("json_schema must be an object with a name (and a schema)")
         return StructuredOutput.json_schema(body.get("schema", {}))
-    raise ValueError(f"type must be one of text, json_object, json_schema; got {_shown(value)}")
+    raise ValueError(f"type must be one of text, json_object, json_schema; got {shown_value(value)}")
 
 
 class _SamplingRequest(_Request):
@@ -346,229 +334,3 @@ def request_tools(value: Any) -> list[Function]:
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
-
-
-# ---- responses ----------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def speculative(stats: list[SpecStats], discarded: int = 0) -> dict[str, Any]:
-    """specserve's own counters, summed over the choices; never inside OpenAI's objects. `discarded`:
-    tokens generated but not returned (after a stop string). Per choice with at least one token,
-    completion tokens + discarded = 1 + accepted + target_forwards (see engine.outputs.SpecStats).
-
-    How speculation ran: `methods` {proposer: decode passes} ("none": passes that verified no draft)
-    and `k` {"<drafts verified>": decode passes} (JSON keys are strings; ascending k). Both count
-    decode passes only: their totals are equal, and at most target_forwards (which also counts the
-    recomputation pass after a preemption)."""
-    methods: dict[str, int] = {}
-    ks: dict[int, int] = {}
-    for s in stats:
-        for method, n in s.passes_by_method.items():
-            methods[method] = methods.get(method, 0) + n
-        for k, n in s.passes_by_k.items():
-            ks[k] = ks.get(k, 0) + n
-    return {"proposed": sum(s.proposed for s in stats), "accepted": sum(s.accepted for s in stats),
-            "target_forwards": sum(s.target_forwards for s in stats), "discarded": discarded,
-            "methods": dict(sorted(methods.items())), "k": {str(k): ks[k] for k in sorted(ks)}}
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-def finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
-
-
-def completion_logprobs(entries: list[TokenLogprob | None], token_ids: list[int], token_str, text_offset: int
-                        ) -> tuple[dict[str, list], int]:
-    """OpenAI's legacy completions shape; entry None (a prompt's first token) has no logprob.
-
-    The top_logprobs dicts also hold the chosen token (as vLLM does), so a client can always
-    compare the chosen token with the best one. Returns the object and the next text offset."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(token_ids, entries):
-        text = token_str(token_id)
-        out["tokens"].append(text)
-        out["text_offset"].append(text_offset)
-        text_offset += len(text)
-        if entry is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        out["token_logprobs"].append(finite(entry.logprob))
-        top: dict[str, float] = {}
-        for token_id, logprob in entry.top:   # best first: ids that decode to the same text keep the best
-            top.setdefault(token_str(token_id), finite(logprob))
-        top.setdefault(text, finite(entry.logprob))
-        out["top_logprobs"].append(top)
-    return out, text_offset
-
-
-def chat_logprobs(entries: list[TokenLogprob], token_str) -> dict[str, list]:
-    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_str(token_id)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries]}
-
-
-# ---- errors ---------------------------------------------------------------------------------
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """The body of every error this server sends (OpenAI's shape)."""
-    error: ErrorDetail
-
-
-ERROR_STATUSES = {400: "invalid request (the message names the field)", 401: "missing or invalid API key",
-                  404: "unknown model", 413: "request body too large", 429: "too many queued requests (Retry-After)",
-                  500: "the engine failed this request", 503: "the engine is dead, stuck or shutting down"}
-
-
-def document_errors(app: FastAPI) -> None:
-    """OpenAPI lists the errors the server really sends, with their schema, and not FastAPI's 422
-    (invalid requests are 400s here)."""
-    from fastapi.openapi.utils import get_openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(components["ErrorResponse"].pop("$defs", {}))
-            for operations in schema.get("paths", {}).values():
-                for operation in operations.values():
-                    responses = operation.setdefault("responses", {})
-                    responses.pop("422", None)
-                    for status, description in ERROR_STATUSES.items():
-                        responses.setdefault(str(status), {"description": description, "content": {
-                            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
-            for name in ("HTTPValidationError", "ValidationError"):
-                components.pop(name, None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-def _is_union_branch(part: Any) -> bool:
-    """pydantic names the branch of a union it tried in the error's loc: "str", "list[int]", ..."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[")))
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    text = json.dumps(_head(value, limit), ensure_ascii=False, default=str)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _head(value: Any, limit: int, depth: int = 3) -> Any:
-    """The start of a value, enough to show it: a few items of each container a few levels down, so
-    showing a huge or deeply nested value costs little."""
-    if isinstance(value, str):
-        return value[:limit]
-    if isinstance(value, list):
-        return [_head(item, limit, depth - 1) for item in value[:8]] if depth else ["..."]
-    if isinstance(value, dict):
-        items = [(key, value[key]) for _, key in zip(range(8), value)]
-        return {str(key): _head(item, limit, depth - 1) for key, item in items} if depth else {"...": "..."}
-    return value
-
-
-def validation_message(errors: list[dict[str, Any]]) -> str:
-    """One line for the first of pydantic's errors: where, what was expected, what came.
-
-    A value that fits no branch of a union ("stop": [1]) gets one line naming the branches,
-    not pydantic's error for the first branch alone ("stop.str: Input should be a valid string")."""
-    if not errors:
-        return "invalid request"
-    locs = [[part for part in error.get("loc", ()) if part != "body"] for error in errors]
-    first, loc, msg = errors[0], locs[0], str(errors[0].get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")   # our validators' own messages say what is wrong
-    branch = next((i for i, part in enumerate(loc) if _is_union_branch(part)), None)
-    if branch is not None:   # the errors of the other branches follow, under the same path
-        path = loc[:branch]
-        tried = [(error, other) for error, other in zip(errors, locs) if other[:branch] == path]
-        msg = "Input should be " + " or ".join(dict.fromkeys(str(other[branch]) for _, other in tried))
-        # the value itself, from a branch that failed on all of it (not on one of its items)
-        first = next((error for error, other in tried if len(other) == branch + 1), {})
-        loc = path
-    where = ".".join(str(part) for part in loc)
-    got = f", got {_shown(first['input'])}" if "input" in first and first.get("type") != "missing" else ""
-    return f"{where}: {msg}{got}" if where else f"{msg}{got}"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
-                            headers=self.headers)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        if first.get("type") == "json_invalid":
-            detail = first.get("ctx", {}).get("error", "")
-            return APIError(400, f"the request body is not valid JSON ({detail})").response()
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = loc[0] if loc and not loc[0].isdigit() else None
-        return APIError(400, validation_message(errors), param=param).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        detail = str(exc.detail)
-        if isinstance(exc.__cause__, RecursionError):   # FastAPI's json.loads of a body nested too deeply
-            detail = "the request body nests too deeply to parse"
-        # exc.headers carries what the status needs: Allow for a 405
-        return JSONResponse(error_body(detail, kind), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception):
-        error = internal_error(exc, f"{request.method} {request.url.path}")
-        return error.response()
-
-
-def internal_error(exc: BaseException, where: str, what: str = "internal error", code: str = "internal_error"
-                   ) -> APIError:
-    """A 500 that shows the client an id and nothing of the failure; the log has the details under it."""
-    error_id = new_id("err")
-    logger.error("%s, id %s, in %s: %s", what, error_id, where, exc, exc_info=exc)
-    return APIError(500, f"{what}, id {error_id}; see the server log", "server_error", code=code)

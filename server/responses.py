@@ -33,8 +33,10 @@ from fastapi import FastAPI, Request
 from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError
 
 from server import protocol as p
+from server import response_fields
 from server.api import _end_tool_calls, _render, _tool_grammar
 from server.async_engine import EngineDeadError, Generation, RequestFailedError
+from server.errors import APIError, validation_message
 from server.serving import Server, _SSEResponse, server_error
 from server.tool_stream import ToolStream
 from server.tools import Function, ToolCall
@@ -163,19 +165,19 @@ class ResponsesRequest(p._SamplingRequest):
 
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
-            raise p.APIError(400, "previous_response_id: this server stores no responses; send the whole "
-                                  "conversation as input items", param="previous_response_id")
+            raise APIError(400, "previous_response_id: this server stores no responses; send the whole "
+                                "conversation as input items", param="previous_response_id")
         if self.conversation is not None:
-            raise p.APIError(400, "conversation: this server stores no conversations; send the whole conversation "
-                                  "as input items", param="conversation")
+            raise APIError(400, "conversation: this server stores no conversations; send the whole conversation "
+                                "as input items", param="conversation")
         if self.prompt is not None:
-            raise p.APIError(400, "prompt: this server stores no prompt templates; send instructions and input",
-                             param="prompt")
+            raise APIError(400, "prompt: this server stores no prompt templates; send instructions and input",
+                           param="prompt")
         if self.background:
-            raise p.APIError(400, "background: responses run in the foreground only (stream them instead)",
-                             param="background")
+            raise APIError(400, "background: responses run in the foreground only (stream them instead)",
+                           param="background")
         if not self.input:
-            raise p.APIError(400, "input: at least one item is needed", param="input")
+            raise APIError(400, "input: at least one item is needed", param="input")
 
     # ---- what the chat completions path takes ----
     @property
@@ -192,8 +194,8 @@ class ResponsesRequest(p._SamplingRequest):
         if form is None:
             return super().structured()
         if self.response_format is not None or self.structured_outputs is not None:
-            raise p.APIError(400, "give text.format alone, not with response_format or structured_outputs",
-                             param="text")
+            raise APIError(400, "give text.format alone, not with response_format or structured_outputs",
+                           param="text")
         try:
             if form.type != "json_schema":
                 return p.response_format_spec({"type": form.type})
@@ -202,7 +204,7 @@ class ResponsesRequest(p._SamplingRequest):
             return p.response_format_spec({"type": "json_schema",
                                            "json_schema": {"name": form.name, "schema": form.schema_}})
         except ValueError as exc:
-            raise p.APIError(400, f"text.format: {exc}", param="text") from None
+            raise APIError(400, f"text.format: {exc}", param="text") from None
 
     def tool_setup(self) -> tuple[list[Function], str | Function]:
         """The functions and the tool_choice ("none", "auto", "required" or the named function)."""
@@ -212,18 +214,18 @@ class ResponsesRequest(p._SamplingRequest):
                  for tool in self.tools or []]
         try:
             functions = p.request_tools(tools)
-        except p.APIError as error:   # its message names the chat shape's place: tools[i].function.name
-            raise p.APIError(400, error.message.replace(".function.", ".", 1), param="tools") from None
+        except APIError as error:   # its message names the chat shape's place: tools[i].function.name
+            raise APIError(400, error.message.replace(".function.", ".", 1), param="tools") from None
         choice = self.tool_choice
         if choice is None:
             return functions, "auto" if functions else "none"
         if isinstance(choice, NamedFunction):
             named = next((f for f in functions if f.name == choice.name), None)
             if named is None:
-                raise p.APIError(400, f"tool_choice: no tool is named {choice.name!r}", param="tool_choice")
+                raise APIError(400, f"tool_choice: no tool is named {choice.name!r}", param="tool_choice")
             return functions, named
         if choice != "none" and not functions:
-            raise p.APIError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
+            raise APIError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
         return functions, choice
 
     def chat_messages(self) -> list[p.ChatMessage]:
@@ -246,7 +248,7 @@ class ResponsesRequest(p._SamplingRequest):
         try:
             return [p.ChatMessage.model_validate(message) for message in messages]
         except ValidationError as exc:   # a bound of the chat messages (calls in one turn)
-            raise p.APIError(400, f"input: {p.validation_message(exc.errors())}", param="input") from None
+            raise APIError(400, f"input: {validation_message(exc.errors())}", param="input") from None
 
     def echo(self) -> dict[str, Any]:
         """The request's settings as the response object repeats them."""
@@ -296,8 +298,8 @@ async def _render_input(server: Server, body: ResponsesRequest, offered: list[Fu
     """The conversation's tokens, converted and rendered on a text thread (as a chat completion's)."""
     try:
         return await server.off_loop(lambda: _render(server, body.chat_messages(), True, offered))
-    except p.APIError as error:   # the conversation is this API's input
-        raise p.APIError(error.status, error.message, error.type, "input", error.code) from None
+    except APIError as error:   # the conversation is this API's input
+        raise APIError(error.status, error.message, error.type, "input", error.code) from None
 
 
 def _parsed(server: Server, text: str, offered: list[Function], parallel: bool) -> tuple[str | None, list[ToolCall]]:
@@ -342,7 +344,7 @@ async def _events(server: Server, generation: Generation, writer: "ResponseWrite
 
 
 def _sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\n{p.sse(event)}"
+    return f"event: {event['type']}\n{response_fields.sse(event)}"
 
 
 # ---- the response and its events ---------------------------------------------------------------------
@@ -376,7 +378,7 @@ class ResponseWriter:
 
     def __init__(self, response_id: str, model: str, echo: dict[str, Any], num_input_tokens: int):
         self.id, self.model, self.echo, self.num_input_tokens = response_id, model, echo, num_input_tokens
-        self.created_at = p.now()
+        self.created_at = response_fields.now()
         self.items: list[OutputItem] = []
         self.done: list[dict[str, Any]] = []   # the items that have ended, as sent
         self.open: OutputItem | None = None    # the item being streamed
@@ -398,8 +400,8 @@ class ResponseWriter:
             body["usage"] = {"input_tokens": self.num_input_tokens, "input_tokens_details": {"cached_tokens": 0},
                              "output_tokens": num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": self.num_input_tokens + num_output_tokens}
-            body["speculative"] = p.speculative([c.spec for c in generation.choices],
-                                                generation.num_discarded_tokens)
+            body["speculative"] = response_fields.speculative([c.spec for c in generation.choices],
+                                                              generation.num_discarded_tokens)
         return body
 
     def finished(self, status: str, content: str | None, calls: list[ToolCall], generation: Generation

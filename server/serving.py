@@ -22,10 +22,12 @@ from engine.engine import ContextLengthError
 from engine.sampling_params import SamplingParams
 from engine.structured import GRAMMAR_COMPILE_TIMEOUT, StructuredOutput
 from server import protocol as p
+from server import response_fields
 from server.async_engine import (
     AsyncEngine, Choice, EngineDeadError, Generation, RequestFailedError, ShuttingDownError,
 )
 from server.config import DEFAULT_WATCHDOG_TIMEOUT
+from server.errors import APIError, error_body, internal_error
 from server.middleware import request_tenant
 from server.tool_parsers import choose_parser
 from server.tools import template_renders_tools
@@ -44,14 +46,14 @@ TEXT_WORKERS = 4
 PROMPT_CHARS_PER_TOKEN = 32
 
 
-def server_error(exc: Exception) -> p.APIError:
+def server_error(exc: Exception) -> APIError:
     if isinstance(exc, ShuttingDownError):
-        return p.APIError(503, str(exc), "server_error", code="shutting_down")
+        return APIError(503, str(exc), "server_error", code="shutting_down")
     if isinstance(exc, EngineDeadError):
-        return p.APIError(503, str(exc), "server_error", code="engine_dead")
+        return APIError(503, str(exc), "server_error", code="engine_dead")
     if isinstance(exc, RequestFailedError) and exc.invalid_request:
-        return p.APIError(400, str(exc), code="invalid_grammar")
-    return p.internal_error(exc, "the engine", "the engine failed this request", code="engine_error")
+        return APIError(400, str(exc), code="invalid_grammar")
+    return internal_error(exc, "the engine", "the engine failed this request", code="engine_error")
 
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -82,7 +84,7 @@ class Server:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.metrics = metrics
-        self.created = p.now()
+        self.created = response_fields.now()
         self.shutting_down = False
         self.sampling_defaults: dict = {}   # for the sampling fields a request leaves unset (create_app's)
 
@@ -93,13 +95,13 @@ class Server:
     # ---- checks ---------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
-            raise p.APIError(404, f"The model `{model}` does not exist (this server serves "
-                                f"`{self.served_model_name}`).", param="model", code="model_not_found")
+            raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                              f"`{self.served_model_name}`).", param="model", code="model_not_found")
 
     def check_alive(self) -> None:
         if self.shutting_down:
-            raise p.APIError(503, "the server is shutting down; retry on another replica", "server_error",
-                             code="shutting_down", headers={"Retry-After": "1"})
+            raise APIError(503, "the server is shutting down; retry on another replica", "server_error",
+                           code="shutting_down", headers={"Retry-After": "1"})
         if not self.async_engine.is_alive:
             raise server_error(EngineDeadError(self.async_engine.dead_reason))
 
@@ -110,34 +112,34 @@ class Server:
         if self.max_num_waiting is not None and waiting + num_choices > self.max_num_waiting:
             if self.metrics is not None:
                 self.metrics.observe_rejected()
-            raise p.APIError(429, f"the server is overloaded: {waiting} requests are waiting (the limit is "
-                                  f"{self.max_num_waiting}); retry later", "rate_limit_error",
-                             code="server_overloaded", headers={"Retry-After": "1"})
+            raise APIError(429, f"the server is overloaded: {waiting} requests are waiting (the limit is "
+                                f"{self.max_num_waiting}); retry later", "rate_limit_error",
+                           code="server_overloaded", headers={"Retry-After": "1"})
 
     def check_num_choices(self, num_prompts: int, n: int) -> None:
         """prompts x n engine requests: checked from the counts alone, before anything is tokenized."""
         if num_prompts * n > p.MAX_CHOICES:
-            raise p.APIError(400, f"prompts x n is {num_prompts} x {n}: at most {p.MAX_CHOICES} choices per request",
-                             param="n" if n > 1 else "prompt")
+            raise APIError(400, f"prompts x n is {num_prompts} x {n}: at most {p.MAX_CHOICES} choices per request",
+                           param="n" if n > 1 else "prompt")
 
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         """Text to tokenize is capped (max_prompt_chars) before it is tokenized or rendered."""
         if num_chars > self.max_prompt_chars:
-            raise p.APIError(400, f"{param}: {num_chars} characters, more than this server takes in one request "
-                                  f"({self.max_prompt_chars}, max_prompt_chars)", param=param,
-                             code="context_length_exceeded")
+            raise APIError(400, f"{param}: {num_chars} characters, more than this server takes in one request "
+                                f"({self.max_prompt_chars}, max_prompt_chars)", param=param,
+                           code="context_length_exceeded")
 
     def check_prompt_ids(self, ids: list[int], param: str) -> None:
         """A prompt given as token ids: its length and vocabulary range, checked here rather than after
         it crossed to the engine core (its length first, so the range check is bounded too)."""
         limit, vocab_size = self.info.max_model_len, self.info.vocab_size
         if len(ids) > limit:
-            raise p.APIError(400, f"{param}: {len(ids)} tokens, more than this model's maximum context length "
-                                  f"({limit})", param=param, code="context_length_exceeded")
+            raise APIError(400, f"{param}: {len(ids)} tokens, more than this model's maximum context length "
+                                f"({limit})", param=param, code="context_length_exceeded")
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):
             bad = next(t for t in ids if not 0 <= t < vocab_size)
-            raise p.APIError(400, f"{param}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
-                             param=param)
+            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                           param=param)
 
     async def off_loop(self, work: Callable, *args):
         """work(*args) on a text thread, in this request's context (its tenant); its exceptions
@@ -158,15 +160,15 @@ class Server:
             return
         choices = ", ".join(["auto", *offered, "none"])
         proposers = f"proposers: {', '.join(offered)}" if offered else "no proposer"
-        raise p.APIError(400, f"speculative.method {method!r} is not available on this server (its speculative "
-                              f"method is {self.info.method!r}, {proposers}); use one of {choices}",
-                         param="speculative")
+        raise APIError(400, f"speculative.method {method!r} is not available on this server (its speculative "
+                            f"method is {self.info.method!r}, {proposers}); use one of {choices}",
+                       param="speculative")
 
     def sampling_params(self, request: p._SamplingRequest, **fields) -> SamplingParams:
         if request.logit_bias:
-            raise p.APIError(400, "logit_bias is not supported", param="logit_bias")
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if request.stream_options is not None and not request.stream:
-            raise p.APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if request.speculative is not None:
             self.check_speculative_method(request.speculative.method)
         request.check_limits()
@@ -174,7 +176,7 @@ class Server:
             return SamplingParams(**fields, **{**self.sampling_defaults, **request.sampling_kwargs()},
                                   tenant=request_tenant.get())
         except ValueError as exc:
-            raise p.APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
+            raise APIError(400, str(exc), param=_param_in(str(exc), set(type(request).model_fields))) from None
 
     async def shutdown(self, timeout: float) -> None:
         """SIGTERM: admit nothing more (503; /health too, so readiness fails), let the requests in
@@ -209,10 +211,10 @@ class Server:
         try:
             await asyncio.wait_for(loop.run_in_executor(_GRAMMAR_CHECKS, spec.grammar), GRAMMAR_COMPILE_TIMEOUT)
         except ValueError as exc:
-            raise p.APIError(400, f"{param}: {exc}", param=param) from None
+            raise APIError(400, f"{param}: {exc}", param=param) from None
         except TimeoutError:
-            raise p.APIError(400, f"{param}: the grammar did not compile within {GRAMMAR_COMPILE_TIMEOUT:g} s",
-                             param=param) from None
+            raise APIError(400, f"{param}: the grammar did not compile within {GRAMMAR_COMPILE_TIMEOUT:g} s",
+                           param=param) from None
 
     async def start(self, choices: list[Choice], prompt_param: str) -> Generation:
         self.check_alive()
@@ -221,10 +223,10 @@ class Server:
         try:
             await generation.start()
         except ContextLengthError as exc:
-            raise p.APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
+            raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from None
         except ValueError as exc:   # the prompt's, or a setting checked against the model (top_k, stop_token_ids)
             param = _param_in(str(exc), SAMPLING_FIELDS) or prompt_param
-            raise p.APIError(400, str(exc), param=param) from None
+            raise APIError(400, str(exc), param=param) from None
         except EngineDeadError as exc:
             raise server_error(exc) from None
         structured = choices[0].params.structured if choices else None
@@ -243,7 +245,7 @@ class Server:
             collect.cancel()
             generation.close()
         if not collect.done() or collect.cancelled():
-            raise p.APIError(499, "client disconnected")
+            raise APIError(499, "client disconnected")
         try:
             collect.result()
         except (RequestFailedError, EngineDeadError) as exc:
@@ -252,8 +254,9 @@ class Server:
     @staticmethod
     def totals(generation: Generation, num_prompt_tokens: int) -> dict[str, Any]:
         """The usage object, and specserve's speculation counters beside it (summed over choices)."""
-        return {"usage": p.usage(num_prompt_tokens, generation.num_completion_tokens),
-                "speculative": p.speculative([c.spec for c in generation.choices], generation.num_discarded_tokens)}
+        return {"usage": response_fields.usage(num_prompt_tokens, generation.num_completion_tokens),
+                "speculative": response_fields.speculative([c.spec for c in generation.choices],
+                                                           generation.num_discarded_tokens)}
 
     def stream(self, generation: Generation, first_chunks: list[dict],
                chunk: Callable[[Choice, str, int], dict | None], last_chunk: Callable[[], dict] | None
@@ -266,7 +269,7 @@ class Server:
         last_sent: dict[int, float] = {}
         try:
             for first in first_chunks:
-                yield p.sse(first)
+                yield response_fields.sse(first)
             async for choice, text, start in generation.deltas():
                 payload = chunk(choice, text, start)
                 if payload is None:
@@ -275,13 +278,13 @@ class Server:
                 if self.metrics is not None and choice.index in last_sent:
                     self.metrics.observe_token_gap(now - last_sent[choice.index])
                 last_sent[choice.index] = now
-                yield p.sse(payload)
+                yield response_fields.sse(payload)
             if last_chunk is not None:
-                yield p.sse(last_chunk())
+                yield response_fields.sse(last_chunk())
         except (RequestFailedError, EngineDeadError) as exc:
             error = server_error(exc)
-            yield p.sse(p.error_body(error.message, error.type, code=error.code))
-        yield p.sse("[DONE]")
+            yield response_fields.sse(error_body(error.message, error.type, code=error.code))
+        yield response_fields.sse("[DONE]")
 
 
 async def _wait_for_disconnect(receive) -> None:

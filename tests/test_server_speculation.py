@@ -195,14 +195,14 @@ def test_a_proposer_the_server_lacks_is_a_clear_400(ngram_url):
 def test_server_without_speculation_names_what_it_offers():
     from types import SimpleNamespace
 
-    from server import protocol as p
+    from server.errors import APIError
     from server.serving import Server
 
     server = Server.__new__(Server)   # only the engine's info matters to the check
     server.async_engine = SimpleNamespace(info=SimpleNamespace(method="none", proposers=()))
     for method in (None, "auto", "none"):
         server.check_speculative_method(method)
-    with pytest.raises(p.APIError) as error:
+    with pytest.raises(APIError) as error:
         server.check_speculative_method("ngram")
     assert error.value.status == 400 and error.value.param == "speculative"
     assert "'none'" in error.value.message and "use one of auto, none" in error.value.message
