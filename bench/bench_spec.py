@@ -43,7 +43,7 @@ from common import SMALL_DRAFT, random_llama, timed  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
-from engine.spec_decode.base import Proposal  # noqa: E402
+from engine.spec_decode.base import Offer, Proposal  # noqa: E402
 from engine.spec_decode.policy import GoodputPolicy  # noqa: E402
 
 STATIC_GAMMAS = (1, 2, 4, 8)
@@ -63,11 +63,8 @@ class OracleProposer:
             rng = random.Random(seed * 1_000_003 + i)
             self.uniforms[key] = [rng.random() for _ in range(len(continuations[key]) + 16)]
 
-    def max_drafts(self, request, limit: int) -> int:
-        return limit
-
-    def catch_up_tokens(self, request) -> int:
-        return self.draft.catch_up_tokens(request)
+    def offer(self, request, limit: int, max_nodes: int = 0) -> Offer:
+        return self.draft.offer(request, limit)   # chains only
 
     def propose(self, items) -> Proposal:
         # The draft's confidence says nothing about the oracle's tokens: no confidence stop.
@@ -107,8 +104,9 @@ def with_oracle(llm: LLM, continuations, alpha: float) -> OracleProposer:
     router = llm.engine.proposer
     real = router.proposers["draft"]
     real = getattr(real, "draft", real)
-    router.proposers["draft"] = OracleProposer(real, continuations, llm.engine.vocab_size, alpha)
-    return router.proposers["draft"]
+    oracle = OracleProposer(real, continuations, llm.engine.vocab_size, alpha)
+    router.replace("draft", oracle)
+    return oracle
 
 
 def throughput(llm: LLM, prompts: list[list[int]], new_tokens: int, expected=None) -> float:

@@ -38,8 +38,8 @@ from common import read_bandwidth  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_runner import ForwardItem  # noqa: E402
-from engine.spec_decode.base import Proposal  # noqa: E402
-from engine.spec_decode.tree import BuiltTrees, DraftTree  # noqa: E402
+from engine.spec_decode.base import Offer, Proposal  # noqa: E402
+from engine.spec_decode.tree import DraftTree, copied_drafts, offered_tree  # noqa: E402
 
 SHAPES = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -64,7 +64,6 @@ class OracleCopy:
         for i, key in enumerate(sorted(continuations)):
             rng = random.Random(seed * 1_000_003 + i)
             self.draws[key] = [(rng.random(), rng.random()) for _ in range(len(continuations[key]) + GAMMA + 1)]
-        self.trees = BuiltTrees()
         self.enabled = True
 
     def _position(self, request) -> tuple[list[int], list[tuple[float, float]], int]:
@@ -88,27 +87,22 @@ class OracleCopy:
             probs.append(self.alpha ** depth * (1 - self.alpha) * self.beta)
         return tree, probs
 
-    def max_drafts(self, request, limit: int, max_nodes: int = 0) -> int:
+    def offer(self, request, limit: int, max_nodes: int = 0) -> Offer:
         if not self.enabled or limit <= 0:
-            return 0
+            return Offer()
         chain = self._chain(request, limit)
-        return self.trees.offer(request, chain, max_nodes, lambda: self._tree(request, chain, max_nodes))
-
-    def tree_size(self, request) -> int:
-        return self.trees.size(request)
-
-    def catch_up_tokens(self, request) -> int:
-        return 0
+        tree = offered_tree(chain, max_nodes, lambda: self._tree(request, chain, max_nodes))
+        return Offer(len(chain), nodes=len(tree) if tree is not None else 0, chain=tuple(chain), tree=tree)
 
     def propose(self, jobs):
-        drafts, trees = self.trees.drafts(jobs, lambda job: self._chain(job.request, job.k))
+        drafts, trees = copied_drafts(jobs, lambda job: list(job.offer.chain[:job.k]))
         return Proposal(drafts, None, trees=trees)
 
     def on_verified(self, request) -> None:
         pass
 
     def on_finish(self, request_id: str) -> None:
-        self.trees.forget(request_id)
+        pass
 
 
 def target_config(shape: str) -> str:
@@ -191,7 +185,7 @@ def engine_for(path: str, dtype: str, device: torch.device, graphs: bool, args) 
                            "adaptive": False})
     silent = OracleCopy({}, llm.engine.vocab_size)
     silent.enabled = False
-    llm.engine.proposer.proposers["ngram"] = silent
+    llm.engine.proposer.replace("ngram", silent)
     run(llm, [[5] * PROMPT_LEN], 8)   # warm-up (the first graphs captured)
     return llm
 
@@ -244,7 +238,7 @@ def oracle_section(llm: LLM, args, figures: dict) -> None:
                     for _ in range(b * args.repeats * (1 + 2 * len(args.alphas)))]
         plain[b] = statistics.mean(plain_runs(llm, pools[b], b, args, continuations))
     oracle = OracleCopy(continuations, vocab, args.beta)
-    llm.engine.proposer.proposers["ngram"] = oracle
+    llm.engine.proposer.replace("ngram", oracle)
     for b in args.batches:
         pool = pools[b][b * args.repeats:]
         for alpha in args.alphas:

@@ -1,6 +1,7 @@
 """The engine: one visible loop, schedule -> propose -> verify -> accept -> update."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
 from engine.tensor_parallel import WorkerGroupError
-from engine.spec_decode.base import Proposal
+from engine.spec_decode.base import Offer, Proposal
 from engine.spec_decode.policy import Candidate, StepOutcome, StepPlan, StepView, Verified
 from engine.step_costs import PassTiming
 from engine.step_stats import Masks, method_of, step_stats
@@ -219,7 +220,7 @@ class Engine:
         a failed pass can be rerun. Returns the proposal, the verification, their times (by the work
         clock: without the one-off capture of a CUDA graph) and the grammar masks with their time."""
         t0 = work_clock()
-        proposal = self.proposer.propose(batch.scheduled, plan.drafts)
+        proposal = self.proposer.propose(batch.scheduled, plan)
         masks = Masks(constrain(batch.scheduled, proposal))   # cuts drafts a grammar forbids
         t1 = work_clock()
         result = verify(self.target, batch.scheduled, proposal, masks.rows)
@@ -357,21 +358,25 @@ class Engine:
     def _plan(self) -> StepPlan:
         """The policy's plan for the requests whose next pass is a decode."""
         decoding = self.scheduler.decoding()
-        if not decoding or not self.proposer.proposers:
+        if not decoding or not self.proposer.methods:
             return StepPlan()
-        return self.policy.plan(StepView(tuple(self._candidate(r) for r in decoding), *self._pending_prefill(len(decoding))))
+        offers = {r.request_id: self._offers(r) for r in decoding}
+        plan = self.policy.plan(StepView(tuple(self._candidate(r, offers[r.request_id]) for r in decoding),
+                                         *self._pending_prefill(len(decoding))))
+        return dataclasses.replace(plan, offers={rid: offers[rid][d.method] for rid, d in plan.drafts.items()})
 
-    def _candidate(self, request: Request) -> Candidate:
-        """What each proposer the request may use can offer it now, and must catch up on first."""
+    def _offers(self, request: Request) -> dict[str, Offer]:
+        """What each proposer the request may use can offer it now."""
         limit = self.scheduler.draft_limit(request)
         if request.params.num_speculative_tokens is not None:
             limit = min(limit, request.params.num_speculative_tokens)
-        proposers = {m: self.proposer.proposers[m] for m in self._allowed(request)}
-        max_nodes = self._max_nodes(request) if limit else 0
-        caps = {m: p.max_drafts(request, limit, max_nodes) if limit else 0 for m, p in proposers.items()}
-        trees = {m: p.tree_size(request) for m, p in proposers.items()} if max_nodes else {}
-        return Candidate(request.request_id, caps, {m: p.catch_up_tokens(request) for m, p in proposers.items()},
-                         self._remaining_tokens(request), {m: n for m, n in trees.items() if n > caps[m]})
+        return self.proposer.offers(request, self._allowed(request), limit, self._max_nodes(request) if limit else 0)
+
+    def _candidate(self, request: Request, offers: dict[str, Offer]) -> Candidate:
+        """The request as the policy sees it: each proposer's chain, lag and tree (one past the chain)."""
+        return Candidate(request.request_id, {m: o.drafts for m, o in offers.items()},
+                         {m: o.catch_up for m, o in offers.items()}, self._remaining_tokens(request),
+                         {m: o.nodes for m, o in offers.items() if o.nodes > o.drafts})
 
     def _max_nodes(self, request: Request) -> int:
         """The nodes a draft tree for the request may have; 0: chains only (a grammar masks and penalties

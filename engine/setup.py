@@ -6,13 +6,14 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import FLASH_BLOCK_SIZE, flash_available
 from engine.cpu_kernels import fused_ops_usable
-from engine.config import DraftConfig, EngineConfig
+from engine.config import DraftConfig, EngineConfig, SpeculativeConfig
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
 from engine.models.eagle import load_eagle_head
@@ -194,6 +195,28 @@ def eos_token_ids(model_path: str, hf_config) -> frozenset[int]:
     return frozenset([ids] if isinstance(ids, int) else ids)
 
 
+@dataclass(frozen=True)
+class ProposerInputs:
+    """What a proposer is built from: the speculative settings, the target's vocabulary and runner,
+    and the runners of the networks loaded for the model proposers (by name, built on first ask)."""
+    spec: SpeculativeConfig
+    vocab_size: int
+    target: ModelRunner
+    runners: dict[str, Callable[[], ModelRunner]]
+
+
+# Every proposer by the name it drafts as, in the order the router asks them (and a static plan prefers
+# them): a new proposer adds its module and its line here, and the engine reaches it through the Router.
+PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
+    "grammar": lambda p: GrammarProposer(),   # structured outputs' forced tokens: built whenever the engine drafts
+    "draft": lambda p: DraftModelProposer(p.runners["draft"](), p.vocab_size, p.spec.draft.temperature),
+    "eagle": lambda p: EagleProposer(p.runners["eagle"](), p.target, p.vocab_size, p.spec.draft.temperature),
+    "ngram": lambda p: NgramProposer(p.spec.ngram.min, p.spec.ngram.max),
+    "suffix": lambda p: SuffixProposer(p.spec.suffix.max_match, p.spec.suffix.cache_tokens, p.spec.suffix.min_prob,
+                                       p.spec.suffix.min_score, p.spec.suffix.spec_factor),
+}
+
+
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     spec = config.speculative
     device = resolve_device(config.device)
@@ -253,22 +276,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                                      target_flash, keep_features=head is not None)
     if tp:
         finish_setup(target, workers, num_blocks, block_size)
-    # Structured outputs' forced tokens: certain drafts, first in a static plan's preference.
-    proposers: dict[str, Proposer] = {"grammar": GrammarProposer()} if spec.gamma else {}
-    if "draft" in spec.proposers:
-        proposers["draft"] = DraftModelProposer(
-            ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
-            hf_config.vocab_size, spec.draft.temperature)
-    if head is not None:
-        proposers["eagle"] = EagleProposer(
-            ModelRunner(head, num_blocks, block_size, dtype, device, target_flash), target, hf_config.vocab_size,
-            spec.draft.temperature)
-    if "ngram" in spec.proposers:
-        proposers["ngram"] = NgramProposer(spec.ngram.min, spec.ngram.max)
-    if "suffix" in spec.proposers:
-        suffix = spec.suffix
-        proposers["suffix"] = SuffixProposer(suffix.max_match, suffix.cache_tokens, suffix.min_prob, suffix.min_score,
-                                             suffix.spec_factor)
+    built = ProposerInputs(spec, hf_config.vocab_size, target, {
+        "draft": lambda: ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
+        "eagle": lambda: ModelRunner(head, num_blocks, block_size, dtype, device, target_flash)})
+    proposers = {name: build(built) for name, build in PROPOSER_BUILDERS.items() if name in spec.proposers
+                 or (name == "grammar" and spec.gamma)}
     grids = {target: verify_rows}
     if "draft" in proposers:
         grids[proposers["draft"].runner] = verify_rows   # drafting passes (a tree's levels), and catch-ups

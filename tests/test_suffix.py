@@ -142,19 +142,19 @@ def test_proposer_shares_finished_outputs_across_requests():
     proposer = SuffixProposer(max_match=16, cache_tokens=1000, min_prob=0.1, min_score=2, spec_factor=2.0)
     first = _request("a", [1, 2, 3])
     answer = [40, 41, 42, 43, 44, 45, 46, 47]
-    assert proposer.max_drafts(first, 4) == 0
+    assert proposer.offer(first, 4).drafts == 0
     first.token_ids.extend(answer)
     proposer.on_verified(first)
     proposer.on_finish("a")
     assert proposer.shared.num_tokens == len(answer)   # its output, not its prompt
     second = _request("b", [9, 9, 40, 41])   # a new prompt that starts the same answer
-    assert proposer.max_drafts(second, 4) == 4
+    assert proposer.offer(second, 4).drafts == 4
     assert proposer.draft(second, 4).token_ids == [42, 43, 44, 45]
-    assert proposer.max_drafts(second, 2) == 2   # never more than the limit, even from a cached lookup
+    assert proposer.offer(second, 2).drafts == 2   # never more than the limit
 
 
 def _finish(proposer: SuffixProposer, request: Request, output: list[int]) -> None:
-    proposer.max_drafts(request, 4)
+    proposer.offer(request, 4)
     request.token_ids.extend(output)
     proposer.on_verified(request)
     proposer.on_finish(request.request_id)
@@ -167,8 +167,8 @@ def test_a_tenant_drafts_only_from_its_own_tenants_outputs():
     answer = [40, 41, 42, 43, 44, 45, 46, 47]
     _finish(proposer, _request("a", [1, 2, 3], tenant="alice"), answer)
     copying = [9, 9, 40, 41]
-    assert proposer.max_drafts(_request("b", copying, tenant="bob"), 4) == 0
-    assert proposer.max_drafts(_request("c", copying), 4) == 0
+    assert proposer.offer(_request("b", copying, tenant="bob"), 4).drafts == 0
+    assert proposer.offer(_request("c", copying), 4).drafts == 0
     assert proposer.draft(_request("d", copying, tenant="alice"), 4).token_ids == [42, 43, 44, 45]
     # Bob's own outputs serve Bob.
     _finish(proposer, _request("e", [1, 2, 3], tenant="bob"), [40, 41, 50, 51, 52, 53])
@@ -273,10 +273,9 @@ def test_a_second_request_reuses_the_first_ones_output(pair):
 
 
 def test_the_plans_confidence_stop_cuts_suffix_drafts():
-    from engine.spec_decode.base import DraftJob
-    from engine.spec_decode.suffix import SuffixDraft
-    draft = SuffixDraft([1, 2, 3, 4], [1.0, 0.5, 0.5, 1.0], 3, 2)
+    from engine.spec_decode.base import DraftJob, Offer
+    offer = Offer(4, chain=(1, 2, 3, 4), chances=(1.0, 0.5, 0.5, 1.0))   # a suffix draft's tokens and chances
     request = _request("c", [0])
-    cut = lambda p_min, k=4: SuffixProposer._confident(draft, DraftJob(request, k, p_min))
+    cut = lambda p_min, k=4: SuffixProposer._confident(DraftJob(request, k, p_min, offer=offer))
     assert cut(0.0) == [1, 2, 3, 4] and cut(0.3) == [1, 2] and cut(0.6) == [1] and cut(1.0, k=1) == [1]
     assert cut(0.0, k=2) == [1, 2]

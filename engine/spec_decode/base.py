@@ -1,15 +1,19 @@
 """What every proposer hands the verifier, the proposer lifecycle, and the router over several.
 
-A proposer drafts for the requests the policy's plan assigned to it (DraftJob: up to
-num_lookahead tokens each, stopping early where its confidence falls below p_min), and owns
-whatever state that takes (a draft model's cache cursors). The engine tells it what verification
-kept (on_verified) and when a request leaves (on_finish). A model proposer reports each of its
-forwards (Proposal.forwards) for the cost tables.
+A proposer first answers what it can offer a request this step (offer: an Offer, a value; asking
+changes nothing), then drafts for the requests the policy's plan assigned to it (DraftJob: the
+request, its Offer handed back, up to num_lookahead tokens, stopping early where its confidence
+falls below p_min). It owns whatever state drafting takes across steps (a draft model's cache
+cursors, a request's index), and changes it only when it drafts or is told an outcome: what
+verification kept (on_verified) and when a request leaves (on_finish). A model proposer reports
+each of its forwards (Proposal.forwards) for the cost tables.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,6 +21,21 @@ from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.tree import DraftTree
 from engine.step_costs import DraftForward
+
+if TYPE_CHECKING:
+    from engine.spec_decode.policy import StepPlan
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one proposer can draft for one request this step, found by offer() and handed back to
+    propose() in the request's DraftJob, so nothing found while planning is kept in the proposer."""
+    drafts: int = 0       # the longest chain it can draft now (the plan's k is at most this)
+    catch_up: int = 0     # tokens it must process before drafting (a draft model's lag)
+    nodes: int = 0        # the nodes of a draft tree it offers, holding that chain and alternatives (0: none)
+    chain: tuple[int, ...] = ()        # a copying proposer's chain, as found now (its first `drafts` tokens)
+    chances: tuple[float, ...] = ()    # ... the chance of each of its tokens given those before (empty: unknown)
+    tree: DraftTree | None = None      # ... and the tree of `nodes` it built around that chain (chain first)
 
 
 @dataclass(frozen=True)
@@ -27,6 +46,7 @@ class DraftJob:
     p_min: float = 0.0    # confidence stop (see spec_decode/policy.py)
     depth: int | None = None   # the plan's k, when the slots leave room for a tree's alternatives
     tree_p_min: float = 0.0    # the chance an alternative must have to take a slot (pay for its row)
+    offer: Offer = Offer()     # what the proposer offered the request when the step was planned
 
     @property
     def k(self) -> int:
@@ -56,22 +76,14 @@ class Proposal:
 class Proposer(Protocol):
     method: str
 
-    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
-        """How many drafts it could offer the request now, at most `limit` (n-gram: its match). With
-        max_nodes, a proposer that builds draft trees prepares one of up to max_nodes nodes holding
-        that chain (proposed this step when the plan leaves slots for its alternatives)."""
-        ...
-
-    def tree_size(self, request: Request) -> int:
-        """The nodes of the tree max_drafts prepared for the request this step (0: none)."""
-        ...
-
-    def catch_up_tokens(self, request: Request) -> int:
-        """Tokens it must process before drafting for the request (a draft model's lag)."""
+    def offer(self, request: Request, limit: int, max_nodes: int = 0) -> Offer:
+        """What it can draft for the request now: a chain of at most `limit` (n-gram: its match) and,
+        with max_nodes, a proposer that drafts trees offers one of up to max_nodes nodes holding that
+        chain (proposed when the plan leaves slots for its alternatives). Changes no state."""
         ...
 
     def propose(self, jobs: list[DraftJob]) -> Proposal:
-        """Up to job.num_lookahead draft tokens for each job."""
+        """Up to job.num_lookahead draft tokens for each job, from what job.offer promised."""
         ...
 
     def on_verified(self, request: Request) -> None:
@@ -87,27 +99,44 @@ class Router:
     verify together in one target pass (deterministic guesses as one-hot rows of q)."""
 
     def __init__(self, proposers: dict[str, Proposer], vocab_size: int):
-        self.proposers = proposers
+        self._proposers = dict(proposers)
         self.vocab_size = vocab_size
 
     @property
-    def methods(self) -> list[str]:
-        return list(self.proposers)
+    def proposers(self) -> Mapping[str, Proposer]:
+        """The proposers by method, read only (replace() swaps one)."""
+        return MappingProxyType(self._proposers)
 
-    def propose(self, scheduled: list[ScheduledRequest], plan: dict) -> Proposal:
-        """plan: request id -> Draft (method, k, p_min), as the policy's StepPlan.drafts."""
+    @property
+    def methods(self) -> list[str]:
+        return list(self._proposers)
+
+    def replace(self, method: str, proposer: Proposer) -> Proposer:
+        """Put `proposer` in the place of the one drafting as `method` (benches and tests swap in
+        scripted drafts this way); returns the one it replaced."""
+        replaced = self._proposers[method]
+        self._proposers[method] = proposer
+        return replaced
+
+    def offers(self, request: Request, methods: list[str], limit: int, max_nodes: int) -> dict[str, Offer]:
+        """What each of these proposers can offer the request now."""
+        return {m: self._proposers[m].offer(request, limit, max_nodes) for m in methods}
+
+    def propose(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> Proposal:
+        """plan.drafts: request id -> Draft (method, k, p_min); plan.offers: request id -> what that
+        method offered the request."""
         drafts: list[list[int]] = [[] for _ in scheduled]
         trees: list[DraftTree | None] = [None for _ in scheduled]
         model_probs: list[tuple[list[int], torch.Tensor]] = []
         forwards: list[DraftForward] = []
-        for method, proposer in self.proposers.items():
+        for method, proposer in self._proposers.items():
             mine = [i for i, item in enumerate(scheduled) if item.num_lookahead > 0
-                    and plan[item.request.request_id].method == method]
+                    and plan.drafts[item.request.request_id].method == method]
             if not mine:
                 continue
-            drafts_of = [plan[scheduled[i].request.request_id] for i in mine]
-            jobs = [DraftJob(scheduled[i].request, scheduled[i].num_lookahead, d.p_min, d.k, d.tree_p_min)
-                    for i, d in zip(mine, drafts_of)]
+            drafts_of = [plan.drafts[scheduled[i].request.request_id] for i in mine]
+            jobs = [DraftJob(scheduled[i].request, scheduled[i].num_lookahead, d.p_min, d.k, d.tree_p_min,
+                             plan.offers[scheduled[i].request.request_id]) for i, d in zip(mine, drafts_of)]
             proposal = proposer.propose(jobs)
             forwards += proposal.forwards
             for i, tokens in zip(mine, proposal.draft_token_ids):
@@ -135,9 +164,9 @@ class Router:
         return probs
 
     def on_verified(self, request: Request) -> None:
-        for proposer in self.proposers.values():
+        for proposer in self._proposers.values():
             proposer.on_verified(request)
 
     def on_finish(self, request_id: str) -> None:
-        for proposer in self.proposers.values():
+        for proposer in self._proposers.values():
             proposer.on_finish(request_id)

@@ -23,7 +23,7 @@ from engine.decode_grid import work_clock
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.sampler import SamplingTensors, sample, warp_probs
-from engine.spec_decode.base import DraftJob, Proposal
+from engine.spec_decode.base import DraftJob, Offer, Proposal
 from engine.spec_decode.tree import DraftTree
 from engine.spec_decode.tree_growth import TreeGrowth
 from engine.structured import mask_logits
@@ -38,7 +38,6 @@ class DraftModelProposer:
         self.target_vocab_size = target_vocab_size
         self.draft_temperature = draft_temperature
         self._cursors: dict[str, tuple[int, int]] = {}   # request id -> (its preemption count, valid tokens)
-        self._tree_offers: dict[str, tuple[int, int]] = {}   # request id -> (num_tokens, nodes): a tree offered this step
 
     # ---- the lifecycle ------------------------------------------------------------
     def cursor(self, request: Request) -> int:
@@ -52,18 +51,10 @@ class DraftModelProposer:
     def _set_cursor(self, request: Request, valid: int) -> None:
         self._cursors[request.request_id] = (request.num_preemptions, valid)
 
-    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
-        """limit drafts; with max_nodes, a tree of up to that many nodes holding them is offered too
-        (grown when it proposes, if the plan leaves room for alternatives)."""
-        if max_nodes > limit:
-            self._tree_offers[request.request_id] = (request.num_tokens, max_nodes)
-        else:
-            self._tree_offers.pop(request.request_id, None)
-        return limit
-
-    def tree_size(self, request: Request) -> int:
-        num_tokens, nodes = self._tree_offers.get(request.request_id, (-1, 0))
-        return nodes if num_tokens == request.num_tokens else 0
+    def offer(self, request: Request, limit: int, max_nodes: int = 0) -> Offer:
+        """limit drafts, after its catch-up; with max_nodes past the limit, a tree of that many nodes
+        holding them (grown when it proposes, if the plan leaves room for alternatives)."""
+        return Offer(limit, self.catch_up_tokens(request), max_nodes if max_nodes > limit else 0)
 
     def catch_up_tokens(self, request: Request) -> int:
         return max(0, request.num_computed_tokens - self.cursor(request))
@@ -74,11 +65,10 @@ class DraftModelProposer:
 
     def on_finish(self, request_id: str) -> None:
         self._cursors.pop(request_id, None)
-        self._tree_offers.pop(request_id, None)
 
     # ---- drafting ----------------------------------------------------------------
     def propose(self, items: list[DraftJob]) -> Proposal:
-        growing = {a for a, item in enumerate(items) if item.wants_tree and self.tree_size(item.request)}
+        growing = {a for a, item in enumerate(items) if item.wants_tree and item.offer.nodes}
         if not growing:
             return self._propose_chains(items)
         if len(growing) == len(items):

@@ -9,7 +9,7 @@ on, no state of its own: the request's matcher (engine/structured.py) answers.
 from __future__ import annotations
 
 from engine.request import Request
-from engine.spec_decode.base import DraftJob, Proposal
+from engine.spec_decode.base import DraftJob, Offer, Proposal
 
 
 class GrammarProposer:
@@ -20,17 +20,12 @@ class GrammarProposer:
             return []
         return request.grammar.forced_tokens()[:limit]
 
-    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:   # chains only
-        return len(self.forced(request, limit))
-
-    def tree_size(self, request: Request) -> int:
-        return 0
-
-    def catch_up_tokens(self, request: Request) -> int:
-        return 0
+    def offer(self, request: Request, limit: int, max_nodes: int = 0) -> Offer:   # chains only
+        forced = self.forced(request, limit)
+        return Offer(len(forced), chain=tuple(forced))
 
     def propose(self, jobs: list[DraftJob]) -> Proposal:
-        return Proposal([self.forced(job.request, job.k) for job in jobs], None)
+        return Proposal([list(job.offer.chain[:job.k]) for job in jobs], None)
 
     def on_verified(self, request: Request) -> None:
         pass

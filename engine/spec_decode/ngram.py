@@ -5,8 +5,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.request import Request
-from engine.spec_decode.base import DraftJob, Proposal
-from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree
+from engine.spec_decode.base import DraftJob, Offer, Proposal
+from engine.spec_decode.tree import DraftTree, best_first_tree, copied_drafts, offered_tree
 
 MAX_MATCHES = 64   # newest occurrences a draft tree is built from: bounds a lookup on a common n-gram
 
@@ -76,45 +76,42 @@ class NgramIndex:
 
 
 class NgramProposer:
-    """Free drafts from the request's own context. The engine asks for the match first
-    (max_drafts), so budget and blocks are reserved only for drafts that exist."""
+    """Free drafts from the request's own context. The engine asks for the match first (offer), so
+    budget and blocks are reserved only for drafts that exist."""
     method = "ngram"
 
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
-        self._indexes: dict[str, NgramIndex] = {}   # request id -> its context's index
-        self.trees = BuiltTrees()
+        self._indexes: dict[str, NgramIndex] = {}   # request id -> its context's index, as of its last step
 
-    def _match(self, request: Request, k: int) -> tuple[list[int], int]:
+    def _index(self, request: Request) -> NgramIndex:
+        """The request's index as on_verified keeps it; where it is not current (a request not
+        verified here yet), one built for this call alone."""
+        index = self._indexes.get(request.request_id)
+        if index is None or len(index.tokens) != request.num_tokens:
+            index = NgramIndex(self.ngram_min, self.ngram_max)
+            index.extend(request.token_ids)
+        return index
+
+    def offer(self, request: Request, limit: int, max_nodes: int = 0) -> Offer:
+        if limit <= 0:
+            return Offer()
+        chain = self._index(request).lookup(limit)
+        tree = offered_tree(chain, max_nodes, lambda: ngram_tree(
+            np.asarray(request.token_ids), self.ngram_min, self.ngram_max, max_nodes, limit))
+        return Offer(len(chain), nodes=len(tree) if tree is not None else 0, chain=tuple(chain), tree=tree)
+
+    def propose(self, jobs: list[DraftJob]) -> Proposal:
+        drafts, trees = copied_drafts(jobs, lambda job: list(job.offer.chain[:job.k]))
+        return Proposal(drafts, None, trees=trees)
+
+    def on_verified(self, request: Request) -> None:
+        """The context grew by what verification kept: the index follows it."""
         index = self._indexes.get(request.request_id)
         if index is None or len(index.tokens) > request.num_tokens:   # new, or a context that shrank
             index = self._indexes[request.request_id] = NgramIndex(self.ngram_min, self.ngram_max)
         index.extend(request.token_ids)
-        return index.match(k)
-
-    def _lookup(self, request: Request, k: int) -> list[int]:
-        return self._match(request, k)[0]
-
-    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
-        if limit <= 0:
-            return 0
-        return self.trees.offer(request, self._lookup(request, limit), max_nodes, lambda: ngram_tree(
-            np.asarray(request.token_ids), self.ngram_min, self.ngram_max, max_nodes, limit))
-
-    def tree_size(self, request: Request) -> int:
-        return self.trees.size(request)
-
-    def catch_up_tokens(self, request: Request) -> int:
-        return 0
-
-    def propose(self, jobs: list[DraftJob]) -> Proposal:
-        drafts, trees = self.trees.drafts(jobs, lambda job: self._lookup(job.request, job.k))
-        return Proposal(drafts, None, trees=trees)
-
-    def on_verified(self, request: Request) -> None:
-        pass
 
     def on_finish(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
-        self.trees.forget(request_id)

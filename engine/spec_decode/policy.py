@@ -30,10 +30,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.spec_decode.estimates import POOL_FORGET, PRIOR_WEIGHT, Calibration, DraftRates
 from engine.step_costs import PassTiming, StepCosts
+
+if TYPE_CHECKING:
+    from engine.spec_decode.base import Offer
 
 MODEL_PROPOSERS = ("draft", "eagle")   # proposers that run a network per draft position
 HURDLE = 0.03    # a plan must promise this much more goodput than plain decoding
@@ -76,6 +79,8 @@ class Draft:
 class StepPlan:
     drafts: dict[str, Draft] = field(default_factory=dict)   # request id -> its draft; absent: plain decoding
     predicted_time: float | None = None   # the passes' seconds by the cost tables (None: not priced)
+    # request id -> what its draft's proposer offered it, handed back to the proposer (the engine adds them)
+    offers: dict[str, Offer] = field(default_factory=dict)
 
     def lookahead(self) -> dict[str, int]:
         return {rid: draft.slots for rid, draft in self.drafts.items()}

@@ -34,8 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.request import Request
-from engine.spec_decode.base import DraftJob, Proposal
-from engine.spec_decode.tree import BuiltTrees, DraftTree, best_first_tree
+from engine.spec_decode.base import DraftJob, Offer, Proposal
+from engine.spec_decode.tree import DraftTree, best_first_tree, copied_drafts, offered_tree
 
 MAX_CANDIDATES = 64   # newest occurrences kept per q-gram: bounds lookups on common q-grams, and memory
 
@@ -246,18 +246,18 @@ class SuffixProposer:
         self.spec_factor = spec_factor
         self.max_q = max_q
         self.shared = SharedSuffixCache(cache_tokens, max_q)
-        # request id -> (its own index, its prompt length, its tenant)
+        # request id -> (its own index, as of its last step; its prompt length; its tenant)
         self._own: dict[str, tuple[SuffixIndex, int, str | None]] = {}
-        self._drafts: dict[str, tuple[int, int, SuffixDraft]] = {}  # request id -> (num_tokens, k, draft) this step
-        self.trees = BuiltTrees()
 
     # ---- the lifecycle ------------------------------------------------------------
-    def max_drafts(self, request: Request, limit: int, max_nodes: int = 0) -> int:
+    def offer(self, request: Request, limit: int, max_nodes: int = 0) -> Offer:
         if limit <= 0:
-            return 0
+            return Offer()
         chain = self.draft(request, limit)
-        return self.trees.offer(request, chain.token_ids[:limit], max_nodes,
-                                lambda: self._tree(request, chain, max_nodes, limit))
+        tokens = chain.token_ids[:limit]
+        tree = offered_tree(tokens, max_nodes, lambda: self._tree(request, chain, max_nodes, limit))
+        return Offer(len(tokens), nodes=len(tree) if tree is not None else 0, chain=tuple(chain.token_ids),
+                     chances=tuple(chain.probs), tree=tree)
 
     def _tree(self, request: Request, chain: SuffixDraft, max_nodes: int, max_depth: int):
         """A draft tree of the continuations in the index the chain came from."""
@@ -265,22 +265,17 @@ class SuffixProposer:
         return index.lookup_tree(request.token_ids, max_nodes, max_depth, self.max_match, self.min_prob,
                                  self.spec_factor)
 
-    def tree_size(self, request: Request) -> int:
-        return self.trees.size(request)
-
-    def catch_up_tokens(self, request: Request) -> int:
-        return 0
-
     def propose(self, jobs: list[DraftJob]) -> Proposal:
-        drafts, trees = self.trees.drafts(jobs, lambda job: self._confident(self.draft(job.request, job.k), job))
+        drafts, trees = copied_drafts(jobs, self._confident)
         return Proposal(drafts, None, trees=trees)
 
     @staticmethod
-    def _confident(draft: SuffixDraft, job: DraftJob) -> list[int]:
-        """The plan's confidence stop: keep drafts while their cumulative empirical probability
-        stays at or above job.p_min (as a draft model does with its own probabilities)."""
+    def _confident(job: DraftJob) -> list[int]:
+        """The offered chain cut to the plan's k and its confidence stop: keep drafts while their
+        cumulative empirical probability stays at or above job.p_min (as a draft model does with its
+        own probabilities)."""
         tokens, cumulative = [], 1.0
-        for token, p in zip(draft.token_ids[:job.k], draft.probs):
+        for token, p in zip(job.offer.chain[:job.k], job.offer.chances):
             cumulative *= p
             if tokens and cumulative < job.p_min:
                 break
@@ -288,12 +283,15 @@ class SuffixProposer:
         return tokens
 
     def on_verified(self, request: Request) -> None:
-        if request.request_id in self._own:
-            self._index(request)   # only accepted tokens enter it: nothing to roll back
+        """The request's own index takes what verification kept (only accepted tokens enter it:
+        nothing to roll back)."""
+        own = self._own.get(request.request_id)
+        if own is None:
+            own = self._own[request.request_id] = (SuffixIndex(self.max_q), request.num_prompt_tokens, request.tenant)
+        index = own[0]
+        index.extend(request.token_ids[len(index):])
 
     def on_finish(self, request_id: str) -> None:
-        self._drafts.pop(request_id, None)
-        self.trees.forget(request_id)
         own = self._own.pop(request_id, None)
         if own is not None:
             index, prompt_length, tenant = own
@@ -301,30 +299,23 @@ class SuffixProposer:
 
     # ---- drafting ----------------------------------------------------------------
     def draft(self, request: Request, k: int) -> SuffixDraft:
-        """The better of the request's own and its tenant's shared index's drafts (cached for this step)."""
-        cached = self._drafts.get(request.request_id)
-        if cached is not None and cached[0] == request.num_tokens and cached[1] >= k:
-            return cached[2]
-        index = self._index(request)
+        """The better of the request's own and its tenant's shared index's drafts."""
         context = request.token_ids
-        own = index.lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
+        own = self._index(request).lookup(context, k, self.max_match, self.min_prob, self.spec_factor)
         best = own
         if own.expected_accepted < k:   # else k certain tokens: the shared index could only tie, and ties go to own
             shared = self.shared.index(request.tenant).lookup(context, k, self.max_match, self.min_prob,
                                                               self.spec_factor)
             shared = dataclasses.replace(shared, shared=True)
             best = max((own, shared), key=lambda d: (d.expected_accepted, d is own))
-        if best.score < self.min_score:
-            best = NO_DRAFT
-        self._drafts[request.request_id] = (request.num_tokens, k, best)
-        return best
+        return NO_DRAFT if best.score < self.min_score else best
 
     def _index(self, request: Request) -> SuffixIndex:
+        """The request's own index as on_verified keeps it; where it is not current (a request not
+        verified here yet), one built for this call alone."""
         own = self._own.get(request.request_id)
-        if own is None:
-            own = (SuffixIndex(self.max_q), request.num_prompt_tokens, request.tenant)
-            self._own[request.request_id] = own
-        index = own[0]
-        if len(index) < request.num_tokens:
-            index.extend(request.token_ids[len(index):])
+        if own is not None and len(own[0]) == request.num_tokens:
+            return own[0]
+        index = SuffixIndex(self.max_q)
+        index.extend(request.token_ids)
         return index

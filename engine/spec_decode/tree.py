@@ -182,44 +182,25 @@ def cut(tree: DraftTree, chain_length: int, max_nodes: int, p_min: float) -> Dra
     return tree.subtree_in_order(sorted(keep), chain)
 
 
-class BuiltTrees:
-    """A copying proposer's draft trees (chain first), built per request when the engine asks what it
-    can offer (max_drafts: the chain's length, offer; tree_size: the tree's nodes) and proposed, cut to the
-    plan (cut: the chain to the plan's k, alternatives within its slots), in the same step."""
+def offered_tree(chain: list[int], max_nodes: int, build) -> DraftTree | None:
+    """A copying proposer's tree for its offer: when max_nodes leaves room past its chain, the tree
+    build() returns (tree, probs), the chain first (chain_first); else None (a chain only)."""
+    return chain_first(*build(), chain) if max_nodes > len(chain) > 0 else None
 
-    def __init__(self):
-        self._built: dict[str, tuple[int, DraftTree]] = {}   # request id -> (num_tokens, tree)
 
-    def offer(self, request, chain: list[int], max_nodes: int, build) -> int:
-        """What max_drafts answers: the chain's length. When max_nodes leaves room past the chain, the
-        tree build() returns (tree, probs) is kept for this step, the chain first (chain_first)."""
-        if max_nodes > len(chain) > 0:
-            self._built[request.request_id] = (request.num_tokens, chain_first(*build(), chain))
-        else:
-            self.forget(request.request_id)
-        return len(chain)
-
-    def size(self, request) -> int:
-        built = self._built.get(request.request_id)
-        return len(built[1]) if built is not None and built[0] == request.num_tokens else 0
-
-    def drafts(self, jobs, chain) -> tuple[list[list[int]], list["DraftTree | None"] | None]:
-        """Each job's drafts: chain(job), or where the job leaves room for alternatives its tree built
-        this step, cut to the job around that chain; and the trees (None where a job drafts a chain;
-        None for all when none does)."""
-        drafts, trees = [], []
-        for job in jobs:
-            built, tree = self._built.get(job.request.request_id), None
-            tokens = chain(job)
-            if job.wants_tree and built is not None and built[0] == job.request.num_tokens:
-                tree = cut(built[1], len(tokens), job.num_lookahead, job.tree_p_min)
-                tokens = tree.tokens
-            drafts.append(tokens)
-            trees.append(None if tree is None or tree.is_chain else tree)
-        return drafts, trees if any(t is not None for t in trees) else None
-
-    def forget(self, request_id: str) -> None:
-        self._built.pop(request_id, None)
+def copied_drafts(jobs, chain) -> tuple[list[list[int]], list["DraftTree | None"] | None]:
+    """A copying proposer's drafts for each job: chain(job), or where the job leaves room for
+    alternatives and its offer holds a tree, that tree cut to the job around that chain; and the
+    trees (None where a job drafts a chain; None for all when none does)."""
+    drafts, trees = [], []
+    for job in jobs:
+        tokens, tree = chain(job), None
+        if job.wants_tree and job.offer.tree is not None:
+            tree = cut(job.offer.tree, len(tokens), job.num_lookahead, job.tree_p_min)
+            tokens = tree.tokens
+        drafts.append(tokens)
+        trees.append(None if tree is None or tree.is_chain else tree)
+    return drafts, trees if any(t is not None for t in trees) else None
 
 
 def target_choices(rows: Tensor, depths: list[int], noise: list[Tensor] | None = None) -> list[int]:
