@@ -439,7 +439,7 @@ class Engine:
                 request.num_accepted += emitted_drafts[i]
                 request.num_target_forwards += 1
             # Rollback past the first rejection: the proposers' cursors and the tail blocks.
-            self.proposer.on_verified(request)
+            self.proposer.on_verified(request, self._allowed(request))
             if request.is_finished:
                 self._publish_blocks(request)   # the next turn of a conversation starts with these
                 self.scheduler.remove(request)

@@ -163,9 +163,11 @@ class Router:
             probs[torch.tensor(rows, device=probs.device), :width] = block[:, :width]
         return probs
 
-    def on_verified(self, request: Request) -> None:
-        for proposer in self._proposers.values():
-            proposer.on_verified(request)
+    def on_verified(self, request: Request, methods: list[str]) -> None:
+        """Verification ran for a request these proposers may draft for (the others never see it: a
+        request that pins one method adds nothing to another's shared cache)."""
+        for method in methods:
+            self._proposers[method].on_verified(request)
 
     def on_finish(self, request_id: str) -> None:
         for proposer in self._proposers.values():
