@@ -348,3 +348,17 @@ def one_worker_queue(engine, monkeypatch, timeout: float | None = None):
 
     monkeypatch.setattr(queue.compiler, "state", recording_state)
     return queue, release, compiled
+
+
+def branching_prompts(num_branching: int, plain_lengths: tuple[int, ...]) -> list[list[int]]:
+    """Contexts whose last tokens occurred before with different continuations (copying proposers
+    draft and branch there), then random ones of the given lengths (nothing to copy)."""
+    import random
+
+    rng = random.Random(3)
+    out = []
+    for _ in range(num_branching):
+        stem = [rng.randrange(256) for _ in range(3)]
+        tails = [[rng.randrange(256) for _ in range(4)] for _ in range(3)]
+        out.append([t for tail in tails for t in stem + tail] + stem)
+    return out + [[rng.randrange(256) for _ in range(n)] for n in plain_lengths]

@@ -4,10 +4,9 @@ inside the engine's own steps for every proposer of an auto engine with draft tr
 still plain decoding's), and directly on the copying proposers; proposers are built from one
 registry and the router's map of them is read only."""
 import pickle
-import random
 
 import pytest
-from helpers import run_requests
+from helpers import branching_prompts, run_requests
 
 from engine import SamplingParams
 from engine.config import PROPOSERS, EngineConfig
@@ -62,15 +61,7 @@ class Watched:
 
 
 def prompts():
-    """Contexts whose last tokens occurred before with different continuations (copying proposers
-    draft, and branch), and one without."""
-    rng = random.Random(3)
-    out = []
-    for _ in range(2):
-        stem = [rng.randrange(256) for _ in range(3)]
-        tails = [[rng.randrange(256) for _ in range(4)] for _ in range(3)]
-        out.append([t for tail in tails for t in stem + tail] + stem)
-    return out + [[rng.randrange(256) for _ in range(n)] for n in (17,)]
+    return branching_prompts(2, (17,))
 
 
 def test_offers_change_nothing_and_proposals_keep_to_them(tiny_pair):

@@ -6,7 +6,7 @@ tests in test_tree.py (the walk) and test_spec_decode.py (the engine)."""
 import random
 
 import pytest
-from helpers import make_scripted_checkpoint, make_tiny_checkpoint, run_requests
+from helpers import branching_prompts, make_scripted_checkpoint, make_tiny_checkpoint, run_requests
 
 from engine import SamplingParams
 from engine.config import EngineConfig
@@ -23,13 +23,7 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts():
     """Contexts in which the last tokens occurred before with different continuations: branching trees."""
-    rng = random.Random(3)
-    out = []
-    for _ in range(4):
-        stem = [rng.randrange(256) for _ in range(3)]
-        tails = [[rng.randrange(256) for _ in range(4)] for _ in range(3)]
-        out.append([t for tail in tails for t in stem + tail] + stem)
-    return out + [[rng.randrange(256) for _ in range(n)] for n in (5, 17)]
+    return branching_prompts(4, (5, 17))
 
 
 def tree_config(target: str, method: str, tree_nodes: int = 8, **engine) -> EngineConfig:
