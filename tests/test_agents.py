@@ -107,8 +107,11 @@ def weather_calls_for_paris(calls: list[ToolCall] | tuple[ToolCall, ...]) -> boo
 
 @pytest.mark.parametrize("case", CLOSED_SCHEMA_CASES)
 def test_closed_schemas_validate_on_the_default_target(servers, case):
+    """What the grammar guarantees: the answer parses, validates and ends. Its words are the 135M
+    model's, sampled at temperature 1 with no seed: in about half the runs of langchain_structured
+    it wrote City(name='', country='FRANCE'), which the schema allows."""
     city = run(servers["default"], case)
-    assert isinstance(city, City) and city.name.strip() and city.country.strip(), city
+    assert isinstance(city, City), city
 
 
 @pytest.mark.parametrize("case", OPEN_SCHEMA_CASES)
