@@ -209,8 +209,11 @@ class HermesParser(ToolParser):
         # After each call the turn may end (the grammar accepts, so end-of-sequence is allowed), also
         # after the newline that would lead to another call.
         more = ' ("\\n" call)* "\\n"?' if parallel else ""
-        call = f'{self.start} "\\n" %json{schema} "\\n" {self.end}'
-        return StructuredOutput("grammar", f"start: call{more}\ncall: {call}")
+        return StructuredOutput("grammar", f"start: call{more}\ncall: {self.start} {self._block(schema)}")
+
+    def _block(self, schema: str) -> str:
+        """A call block after its opening marker: the call object on a line of its own, then the end marker."""
+        return f'"\\n" %json{schema} "\\n" {self.end}'
 
     def auto_grammar(self, functions):
         # Each kind of call opens at its trigger: the marker (a token of its own, which text never
@@ -218,7 +221,7 @@ class HermesParser(ToolParser):
         # JSON object naming an offered function (what parse() reads as a call), where the rest of the
         # object must be that function's arguments.
         schema = json.dumps(_call_schema(functions, "arguments", strict_only=True))
-        rules = [f'block: "\\n" %json{schema} "\\n" {self.end}']
+        rules = [f"block: {self._block(schema)}"]
         if self.start.startswith("<["):
             calls = [f"TEXT {self.start} block"]
         else:
