@@ -48,8 +48,16 @@ def test_bad_defaults_name_the_field(tmp_path, value, message):
         load_config(None, {"model": str(checkpoint(tmp_path)), "sampling_defaults": value}, environ={})
 
 
-def test_the_coder_pair_config_samples_as_qwen_recommends():
-    config = load_config("configs/qwen2.5-coder-1.5b.yaml", {}, environ={})
+def test_the_coder_pair_config_samples_as_qwen_recommends(tmp_path):
+    """The config file as shipped, its two GGUF paths pointed at stand-in checkpoints: a clean
+    checkout has not fetched the models."""
+    text = open("configs/qwen2.5-coder-1.5b.yaml").read()
+    stand_in = str(checkpoint(tmp_path))
+    for gguf in ("qwen2.5-coder-1.5b-instruct.gguf", "qwen2.5-coder-0.5b-instruct.gguf"):
+        assert f".cache/models/{gguf}" in text
+        text = text.replace(f".cache/models/{gguf}", stand_in)
+    (tmp_path / "coder.yaml").write_text(text)
+    config = load_config(str(tmp_path / "coder.yaml"), {}, environ={})
     assert config.sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 
