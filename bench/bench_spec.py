@@ -101,7 +101,7 @@ def speculative_llm(target: str, draft: str, dtype: str, gamma: int, adaptive: b
 
 
 def with_oracle(llm: LLM, continuations, alpha: float) -> OracleProposer:
-    router = llm.engine.proposer
+    router = llm.engine.spec.router
     real = router.proposers["draft"]
     real = getattr(real, "draft", real)
     oracle = OracleProposer(real, continuations, llm.engine.vocab_size, alpha)
@@ -152,7 +152,7 @@ def step_costs(llm: LLM, gamma: int, repeats: int = 20) -> tuple[float, float]:
     engine = llm.engine
     table = []
     engine.pool.allocate(table, 64)
-    draft_runner = engine.proposer.proposers["draft"]
+    draft_runner = engine.spec.router.proposers["draft"]
     draft_runner = getattr(draft_runner, "draft", draft_runner).runner
 
     def run(runner, num_tokens: int):
@@ -228,7 +228,7 @@ def oracle_cell(llms: dict, continuations: dict, sets: list[list[list[int]]], al
 
 def is_adaptive(llm: LLM) -> bool:
     """A speculative engine whose speculation adapts (the goodput policy, with proposers)."""
-    return bool(llm.engine.proposer.proposers) and isinstance(llm.engine.policy, GoodputPolicy)
+    return bool(llm.engine.spec.router.proposers) and isinstance(llm.engine.spec.policy, GoodputPolicy)
 
 
 class ChoiceLog:

@@ -185,7 +185,7 @@ def engine_for(path: str, dtype: str, device: torch.device, graphs: bool, args) 
                            "adaptive": False})
     silent = OracleCopy({}, llm.engine.vocab_size)
     silent.enabled = False
-    llm.engine.proposer.replace("ngram", silent)
+    llm.engine.spec.router.replace("ngram", silent)
     run(llm, [[5] * PROMPT_LEN], 8)   # warm-up (the first graphs captured)
     return llm
 
@@ -238,7 +238,7 @@ def oracle_section(llm: LLM, args, figures: dict) -> None:
                     for _ in range(b * args.repeats * (1 + 2 * len(args.alphas)))]
         plain[b] = statistics.mean(plain_runs(llm, pools[b], b, args, continuations))
     oracle = OracleCopy(continuations, vocab, args.beta)
-    llm.engine.proposer.replace("ngram", oracle)
+    llm.engine.spec.router.replace("ngram", oracle)
     for b in args.batches:
         pool = pools[b][b * args.repeats:]
         for alpha in args.alphas:
@@ -248,7 +248,7 @@ def oracle_section(llm: LLM, args, figures: dict) -> None:
             for r in range(args.repeats):
                 for mode in (("chain", "tree") if r % 2 == 0 else ("tree", "chain")):
                     prompts, pool = pool[:b], pool[b:]
-                    llm.engine.tree_nodes = TREE_NODES if mode == "tree" else 0
+                    llm.engine.spec.tree_nodes = TREE_NODES if mode == "tree" else 0
                     seconds, _, c = run(llm, prompts, args.new_tokens)
                     cell[mode].append(b * args.new_tokens / seconds)
                     for key in counts[mode]:

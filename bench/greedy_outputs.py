@@ -30,7 +30,7 @@ from server.config import load_config  # noqa: E402
 
 def answers(config_path: str, per_category: int, max_tokens: int) -> dict[str, list[int]]:
     """Every answer's token ids, keyed workload/session/turn."""
-    config = load_config(config_path, {}, environ={})
+    config = load_config(config_path, {}, environ={}).engine
     llm = warm_engine(config, 1, config.speculative)
     outputs = {}
     for workload, sessions in (("chat", chat_sessions(per_category)), ("agent", agent_sessions(6, 4, seed=0)),

@@ -120,3 +120,15 @@ class SpecTotals:
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """The engine's state between steps, for the server's health checks and gauges."""
+    num_requests: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    kv_cache_usage: float
+    num_steps: int          # steps that ran a pass so far: a new step shows as a new count (last_stats)

@@ -12,6 +12,7 @@ tokens, so nothing is ever lost.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
-        """Take a request out (finished or aborted) and free its blocks."""
+        """Take a request out (finished, aborted or failed) and free its blocks."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -69,6 +70,14 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     # ---- one step --------------------------------------------------------
     def draft_limit(self, request: Request) -> int:
@@ -80,6 +89,15 @@ class Scheduler:
     def slot_limit(self, request: Request) -> int:
         """Draft slots a request may reserve: a chain's drafts or a tree's nodes, within the context."""
         return max(0, min(self.max_lookahead, self.max_model_len - request.num_tokens))
+
+    def pending_prefill(self, num_decoding: int) -> tuple[int, int]:
+        """Prompt tokens likely to share the next pass with num_decoding decodes, and their requests:
+        the running requests still prefilling, then the waiting ones the free sequence slots admit."""
+        prefilling = [r.num_tokens - r.num_computed_tokens for r in self.running if r.num_output_tokens == 0]
+        free_slots = max(0, self.max_num_seqs - len(self.running))
+        prefilling += [r.num_tokens for r in itertools.islice(self.waiting, free_slots)]
+        tokens = max(0, min(sum(prefilling), self.max_num_batched_tokens - num_decoding))
+        return tokens, len(prefilling) if tokens else 0
 
     def decoding(self) -> list[Request]:
         """Running requests whose next pass is a decode (or verification): only their last token is new."""

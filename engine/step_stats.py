@@ -2,21 +2,12 @@
 only, apart from the engine's loop."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from engine.outputs import RequestOutput, StepStats
-from engine.scheduler import ScheduledRequest
-from engine.spec_decode.base import Proposal
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.spec_decode.decoder import StepResult
 from engine.spec_decode.policy import StepPlan
-
-
-@dataclass
-class Masks:
-    """A step's grammar masks, by position in the batch (bool [1 + drafts, vocab]), and the time they took."""
-    rows: dict[int, torch.Tensor]
-    seconds: float = 0.0
+from engine.step_costs import StepCosts
+from engine.structured import CompileStats
 
 
 def method_of(plan: StepPlan, item: ScheduledRequest) -> str:
@@ -31,11 +22,13 @@ def _first_token_prompts(outputs: list[RequestOutput]) -> int:
     return sum(o.num_prompt_tokens for o in outputs if o.new_token_ids and o.num_output_tokens == len(o.new_token_ids))
 
 
-def step_stats(engine, batch, plan: StepPlan, proposal: Proposal, emitted_drafts: list[int | None],
-               draft_time: float, verify_time: float, outputs: list[RequestOutput], masks: Masks) -> StepStats:
-    """engine: the Engine whose step this was (its scheduler, pool, cost tables and grammar queue);
-    emitted_drafts: per scheduled request, the drafts it emitted (None: no token after its first)."""
-    per_position = [0] * engine.gamma
+def step_stats(batch: SchedulerOutput, plan: StepPlan, result: StepResult, emitted_drafts: list[int | None],
+               outputs: list[RequestOutput], *, method: str, scheduler: Scheduler, costs: StepCosts,
+               compiled: CompileStats) -> StepStats:
+    """emitted_drafts: per scheduled request, the drafts it emitted (None: no token after its first);
+    method: the configured strategy; compiled: the grammars compiled since the last step."""
+    proposal, masks = result.proposal, result.masks
+    per_position = [0] * scheduler.gamma
     accepted_lengths = []
     for drafts, emitted in zip(proposal.draft_token_ids, emitted_drafts):
         if drafts and emitted is not None:
@@ -51,18 +44,17 @@ def step_stats(engine, batch, plan: StepPlan, proposal: Proposal, emitted_drafts
             counts[0] += len(drafts)
             counts[1] += emitted or 0
     num_draft_tokens = sum(len(d) for d in proposal.draft_token_ids)
-    compiled = engine.grammars.drain_stats()
     return StepStats(
-        method=engine.method, num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
-        kv_cache_usage=engine.pool.usage, batch_size=len(batch.scheduled),
+        method=method, num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+        kv_cache_usage=scheduler.pool.usage, batch_size=len(batch.scheduled),
         num_batched_tokens=sum(s.num_new_tokens for s in batch.scheduled) + num_draft_tokens,
         num_preemptions=len(batch.preempted), num_prompt_tokens=_first_token_prompts(outputs),
         num_generation_tokens=sum(len(o.new_token_ids) for o in outputs),
         num_drafts=len(accepted_lengths), num_draft_tokens=num_draft_tokens,
         num_accepted_tokens=sum(accepted_lengths), num_target_forwards=num_forwards, pure_decode=pure_decode,
         accepted_per_position=tuple(per_position), accepted_lengths=tuple(accepted_lengths),
-        draft_time_s=draft_time, verify_time_s=verify_time,
-        plain_step_time_s=engine.costs.plain_step(len(batch.scheduled)) if pure_decode else None,
+        draft_time_s=result.draft_time, verify_time_s=result.verify_time,
+        plain_step_time_s=costs.plain_step(len(batch.scheduled)) if pure_decode else None,
         finished_reasons=tuple(o.finish_reason for o in outputs if o.finished),
         chosen_k=tuple(len(d) for item, d in zip(batch.scheduled, proposal.draft_token_ids) if item.is_decode),
         drafts_by_method=tuple((m, p, a) for m, (p, a) in sorted(by_method.items())),

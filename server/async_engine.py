@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from engine.engine import EngineDeadError, EngineStatus
+from engine.faults import EngineDeadError
+from engine.outputs import EngineStatus
 from engine.outputs import RequestOutput, SpecStats, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import TextStream

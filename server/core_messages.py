@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from engine.engine import EngineStatus
+from engine.outputs import EngineStatus
 from engine.outputs import RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
 

@@ -68,7 +68,7 @@ def test_engine_on_decode_grids_decodes_like_plain(tiny_pair):
     plain = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True).generate(prompts, params)
     llm = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True,
               speculative={"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 4, "adaptive": False})
-    runners = [llm.engine.target, llm.engine.proposer.proposers["draft"].runner]
+    runners = [llm.engine.target, llm.engine.spec.router.proposers["draft"].runner]
     passes = {"target": 0, "draft": 0}
     for runner, name, query_len in zip(runners, passes, (5, 5)):   # the draft's catch-ups on its grid too
         runner.enable_decode_grid(max_seqs=8, max_query_len=query_len, max_blocks=8)
@@ -91,7 +91,7 @@ def test_engine_verifies_trees_on_decode_grids_like_plain(tiny_pair):
     llm = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True,
               speculative={"method": "auto", "proposers": ["draft", "ngram"], "draft": {"model": str(draft)},
                            "num_speculative_tokens": 4, "tree_nodes": 8, "adaptive": False})
-    runners = [llm.engine.target, llm.engine.proposer.proposers["draft"].runner]
+    runners = [llm.engine.target, llm.engine.spec.router.proposers["draft"].runner]
     tree_passes = {"target": 0, "draft": 0}
     for runner, name in zip(runners, tree_passes):
         runner.enable_decode_grid(max_seqs=8, max_query_len=9, max_blocks=8)

@@ -102,7 +102,7 @@ def test_an_eagle_trees_chain_is_the_chain_the_head_drafts(paths, prompts):
     feeds the previous step's output. A root feature reused down the tree would part from it."""
     config = EngineConfig(model=paths["target"], dtype="float32", speculative=eagle(paths, 4, tree_nodes=8))
     engine = Engine(config)
-    proposer = engine.proposer.proposers["eagle"]
+    proposer = engine.spec.router.proposers["eagle"]
     grow, compared = proposer._propose_trees, []
 
     def checking(items):
@@ -125,7 +125,7 @@ def test_greedy_eagle_with_partial_acceptance_preemption_and_chunked_prefill(pat
                           speculative=eagle(paths, 4))
     engine = Engine(config)
     truth = {tuple(p): out + [0] * 16 for p, out in zip(prompts, plain_greedy)}
-    TruthfulDrafts(engine.proposer.proposers["eagle"], truth, alpha=0.7)
+    TruthfulDrafts(engine.spec.router.proposers["eagle"], truth, alpha=0.7)
     outputs, engine = run(config, prompts, engine=engine)
     assert outputs == plain_greedy
     assert 0.2 < engine.totals.acceptance_rate < 0.95
@@ -136,7 +136,7 @@ def test_auto_routes_between_eagle_draft_and_ngram_losslessly(paths, prompts, pl
     spec = {"method": "auto", "draft": {"head": paths["head"], "model": paths["draft"]}, "num_speculative_tokens": 4}
     outputs, engine = run(EngineConfig(model=paths["target"], dtype="float32", speculative=spec), prompts)
     assert outputs == plain_greedy
-    assert engine.proposer.methods == ["grammar", "draft", "eagle", "ngram", "suffix"]   # grammar: forced tokens
+    assert engine.spec.router.methods == ["grammar", "draft", "eagle", "ngram", "suffix"]   # grammar: forced tokens
 
 
 def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(paths, prompts, tmp_path):
@@ -148,7 +148,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(paths, pro
     config = EngineConfig(model=paths["target1"], dtype="float32",
                           speculative=eagle(paths, 4, head=str(head)))
     engine = Engine(config)
-    proposer = engine.proposer.proposers["eagle"]
+    proposer = engine.spec.router.proposers["eagle"]
     drafted: list[int] = []
     original = proposer.propose
 
@@ -210,7 +210,7 @@ def test_the_head_reads_the_targets_features_at_the_right_positions(paths, promp
     config = EngineConfig(model=paths["target"], dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=20,
                           speculative=eagle(paths, 4))
     engine = Engine(config)
-    proposer = engine.proposer.proposers["eagle"]
+    proposer = engine.spec.router.proposers["eagle"]
     truth = {tuple(p): out + [0] * 16 for p, out in zip(prompts, plain_greedy)}
     TruthfulDrafts(proposer, truth, alpha=0.6)
     runs = []
@@ -358,7 +358,7 @@ def assert_served_logits(paths, head_dir, ids, expected):
     engine.pool.allocate(table, 32)
     engine.target.forward([ForwardItem(ids[0].tolist(), 0, table, 0)])   # the target keeps its features
     features = engine.target.read_features([(table, 0, 19)])
-    served = engine.proposer.proposers["eagle"].runner.forward([ForwardItem(ids[0, 1:].tolist(), 0, table, 19)], features)
+    served = engine.spec.router.proposers["eagle"].runner.forward([ForwardItem(ids[0, 1:].tolist(), 0, table, 19)], features)
     torch.testing.assert_close(served, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -369,14 +369,14 @@ def test_only_rows_verified_by_rejection_sampling_carry_draft_distributions(path
                           speculative=eagle(paths, 3, head=paths["copy_head"]))
     engine = Engine(config)
     buffers = []
-    original = engine.proposer.propose
+    original = engine.spec.router.propose
 
     def recording(scheduled, plan):
         proposal = original(scheduled, plan)
         if any(proposal.draft_token_ids):
             buffers.append(proposal.draft_probs is not None)
         return proposal
-    engine.proposer.propose = recording
+    engine.spec.router.propose = recording
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
     for params, expected in ((GREEDY, False), (dataclasses.replace(sampled, seed=7), False), (sampled, True)):
         buffers.clear()
@@ -407,7 +407,7 @@ def test_a_fused_feature_head_reads_its_layers_and_stays_lossless(fused, prompts
                           max_num_batched_tokens=20, speculative=eagle(fused, 4))
     engine = Engine(config)
     assert engine.target.features.shape[1] == 3 * engine.target.model.hidden_size
-    proposer = engine.proposer.proposers["eagle"]
+    proposer = engine.spec.router.proposers["eagle"]
     TruthfulDrafts(proposer, {tuple(p): out + [0] * 16 for p, out in zip(prompts, plain)}, alpha=0.6)
     seen = record_features(engine, proposer)
     outputs, engine = run(config, prompts, engine=engine)

@@ -140,7 +140,7 @@ def test_a_published_head_computes_the_published_architecture(target, tmp_path, 
     engine.pool.allocate(table, 32)
     engine.target.forward([ForwardItem(ids.tolist(), 0, table, 0)])   # the target keeps its features
     features = engine.target.read_features([(table, 0, 19)])
-    runner = engine.proposer.proposers["eagle"].runner
+    runner = engine.spec.router.proposers["eagle"].runner
     logits, hidden = runner.forward([ForwardItem(ids[1:].tolist(), 0, table, 19)], features, return_hidden=True)
     draft = int(logits[-1].argmax())
     chained = runner.forward([ForwardItem([draft], 19, table, 1)], hidden[-1:])
@@ -208,5 +208,5 @@ def test_a_published_head_shipped_as_pytorch_model_bin_loads_the_same(target, tm
         engine.pool.allocate(table, 16)
         engine.target.forward([ForwardItem(ids, 0, table, 0)])
         features = engine.target.read_features([(table, 0, 11)])
-        return engine.proposer.proposers["eagle"].runner.forward([ForwardItem(ids[1:], 0, table, 11)], features)
+        return engine.spec.router.proposers["eagle"].runner.forward([ForwardItem(ids[1:], 0, table, 11)], features)
     torch.testing.assert_close(served(pickled), served(head), atol=0, rtol=0)

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-import engine.engine as engine_module
+import engine.spec_decode.decoder as engine_module
 from conftest import ServerProcess, sse_events
 from helpers import run_requests
 from engine import SamplingParams
@@ -76,7 +76,7 @@ def test_a_failed_step_fails_only_the_request_that_fails_alone(tiny_pair, monkey
     assert max(failed) > 1 and failed[-1] == 1   # the batch failed, then the poisoned request alone
     for i, (want, _, _) in enumerate(clean.values(), 1):
         assert results[str(i)] == (want, "length", None)
-    assert engine.num_failed_steps == 0
+    assert engine.faults.num_failed_steps == 0
 
 
 def test_the_reruns_of_a_failed_step_teach_acceptance_but_not_step_costs(tiny_pair, monkeypatch):
@@ -85,18 +85,18 @@ def test_the_reruns_of_a_failed_step_teach_acceptance_but_not_step_costs(tiny_pa
     scale before, comparing the whole batch's predicted time with one request's), while the
     drafts they verified still reach the policy."""
     engine = make_engine(tiny_pair, adaptive=False)   # static: every request drafts every step
-    state = lambda: (engine.costs.target.correction.factor, engine.costs.overhead,
-                     {m: t.correction.factor for m, t in engine.costs.drafts.items()})
-    verified, observe = [], engine.policy.observe
-    engine.policy.observe = lambda plan, outcome: (verified.extend(outcome.verified), observe(plan, outcome))
-    seen, isolate = [], engine._isolate
+    state = lambda: (engine.spec.costs.target.correction.factor, engine.spec.costs.overhead,
+                     {m: t.correction.factor for m, t in engine.spec.costs.drafts.items()})
+    verified, observe = [], engine.spec.policy.observe
+    engine.spec.policy.observe = lambda plan, outcome: (verified.extend(outcome.verified), observe(plan, outcome))
+    seen, isolate = [], engine.faults.isolate
 
-    def watched(batch, plan, exc):
+    def watched(batch, exc, *callbacks):
         before, judged = state(), len(verified)
-        outputs = isolate(batch, plan, exc)
+        outputs = isolate(batch, exc, *callbacks)
         seen.append((before, state(), len(verified) - judged))
         return outputs
-    engine._isolate = watched
+    engine.faults.isolate = watched
     verify = engine_module.verify
 
     def faulty(target, scheduled, proposal, *masks):
@@ -118,9 +118,9 @@ def test_requests_that_fail_alone_never_count_against_the_engine(tiny_pair, monk
     engine = make_engine(tiny_pair, max_step_failures=2)
     failed = inject(monkeypatch, lambda scheduled: any(s.request.token_ids[0] == POISON for s in scheduled))
     for _ in range(3):   # more than max_step_failures in a row, which used to kill it
-        assert run(engine, PROMPTS[:1])["0"][1] == "error" and engine.num_failed_steps == 0
+        assert run(engine, PROMPTS[:1])["0"][1] == "error" and engine.faults.num_failed_steps == 0
     results = run(engine, PROMPTS[:2])   # beside a good request
-    assert results["0"][1] == "error" and results["1"][1] == "length" and engine.num_failed_steps == 0
+    assert results["0"][1] == "error" and results["1"][1] == "length" and engine.faults.num_failed_steps == 0
     assert failed == [1, 1, 1, 2, 1]   # alone: no rerun; in a batch of two: the batch, then it alone
 
 
@@ -135,14 +135,14 @@ def test_an_engine_whose_every_pass_fails_dies_after_max_step_failures(tiny_pair
     counts = []
 
     def heal(engine):
-        counts.append(engine.num_failed_steps)
+        counts.append(engine.faults.num_failed_steps)
         broken[0] = False
     tokens, finals = run_requests(engine, PROMPTS[1:2], GREEDY, after_step=heal)
     assert (tokens[0], finals[0].finish_reason, finals[0].error) == want
     assert counts[0] == 1 and counts[-1] == 0 and failed == [1, 1]   # the step's pass, then the canary's
     broken[0] = True
     engine.add_request("last", PROMPTS[1], GREEDY)
-    assert engine.step() == [] and engine.num_failed_steps == 1
+    assert engine.step() == [] and engine.faults.num_failed_steps == 1
     with pytest.raises(EngineDeadError, match="2 engine steps in a row failed"):
         engine.step()
 

@@ -160,7 +160,7 @@ def test_a_draft_vocabulary_keeps_greedy_decoding_exact(qwen, tmp_path, quantiza
     llm = LLM(str(qwen), quantization=quantization, speculative=spec)
     out = llm.generate([PROMPT], params)[0]
     assert out.token_ids == plain.token_ids and out.spec.proposed > 0
-    head = llm.engine.proposer.proposers["draft"].runner.model
+    head = llm.engine.spec.router.proposers["draft"].runner.model
     specials = special_token_ids(draft)   # the tiny tokenizer's: 256 and up, after the bytes
     assert specials and min(specials) >= 256
     assert head.output_tokens.tolist() == list(range(100)) + specials
@@ -190,7 +190,7 @@ def test_a_requantized_draft_keeps_greedy_decoding_exact(qwen, tmp_path, draft_f
     llm = LLM(str(qwen), quantization="none", speculative=spec)
     out = llm.generate([PROMPT], params)[0]
     assert out.token_ids == plain.token_ids and out.spec.proposed > 0 and out.spec.accepted > 0
-    model = llm.engine.proposer.proposers["draft"].runner.model
+    model = llm.engine.spec.router.proposers["draft"].runner.model
     served = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     assert len(served) == 2 * 4 + 1 and {p.type_name for m in served for p in m.parts} == {qtype.upper()}
     assert model.lm_head.out_features == len(model.output_tokens)   # the draft vocabulary's rows of the blocks

@@ -56,7 +56,7 @@ def test_bf16_target_with_fp32_draft_on_cuda(tmp_path):
     spec = {"method": "draft", "draft": {"model": str(path), "dtype": "float32"}, "num_speculative_tokens": 3,
             "adaptive": False}
     llm = LLM(str(path), dtype="bfloat16", device="cuda", speculative=spec)
-    assert not llm.engine.proposer.proposers["draft"].runner.use_flash
+    assert not llm.engine.spec.router.proposers["draft"].runner.use_flash
     assert llm.engine.target.use_flash == flash_available(torch.device("cuda"))
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 12 and out.spec.proposed > 0
@@ -91,7 +91,7 @@ def test_cuda_graphs_decode_like_cpu(tmp_path):
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
     assert llm.engine.target.decode_grid.graphs   # something was captured and replayed
     assert decode_grid._capture_seconds > 0   # and its recording kept off the cost model's clock
-    assert llm.engine.proposer.proposers["draft"].runner.decode_grid.capture
+    assert llm.engine.spec.router.proposers["draft"].runner.decode_grid.capture
 
 
 def test_draft_trees_on_cuda_graphs_decode_like_cpu(tmp_path):

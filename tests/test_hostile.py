@@ -299,13 +299,13 @@ def test_a_request_the_engine_fails_is_a_500_without_the_engine_s_text(url, serv
     caplog.set_level(logging.ERROR, logger="specserve.server")
     engine = server.async_engine.core.engine
     poison = 77
-    propose = engine.proposer.propose
+    propose = engine.spec.router.propose
 
     def failing(scheduled, drafts):
         if any(s.request.token_ids[0] == poison for s in scheduled):
             raise RuntimeError(SECRET)
         return propose(scheduled, drafts)
-    monkeypatch.setattr(engine.proposer, "propose", failing)
+    monkeypatch.setattr(engine.spec.router, "propose", failing)
     response = post(url, "/v1/completions", {"prompt": [poison, 20, 21], "max_tokens": 2})
     assert_internal_500(response, "engine_error", caplog)
     assert "the engine failed this request" in response.json()["error"]["message"]

@@ -19,7 +19,7 @@ import math
 import httpx
 import pytest
 
-import engine.engine as engine_module
+import engine.spec_decode.decoder as engine_module
 from conftest import InProcessServer
 from helpers import run_requests
 from engine import SamplingParams
@@ -82,7 +82,7 @@ def test_six_top_k_overflows_in_a_row_leave_the_server_serving(server):
     for _ in range(6):   # spread out between good requests
         assert_400_naming(complete(url, top_k=OVERFLOW, temperature=1.0), "top_k")
         assert_serving(url)
-    assert engine.num_failed_steps == 0
+    assert engine.faults.num_failed_steps == 0
 
 
 VOCAB = "the vocabulary size"   # stands for the served model's, in the cases below
@@ -199,7 +199,7 @@ def test_a_request_that_fails_in_the_pass_fails_alone_in_log_reruns(tiny_pair, m
     # 2 log2(8) reruns.
     assert passes[:8] == [(8, True), (1, False), (4, False), (4, True), (2, True), (1, False), (1, True),
                           (2, False)]
-    assert engine.num_failed_steps == 0
+    assert engine.faults.num_failed_steps == 0
 
 
 def collect(engine: Engine, num_requests: int) -> tuple[dict[str, list[int]], dict]:
@@ -232,6 +232,6 @@ def test_requests_that_fail_again_and_again_never_kill_the_engine(tiny_pair):
         if i % 2:
             good = outputs[f"good{i}"]
             assert [t for out in good for t in out.new_token_ids] == want[0] and good[-1].finish_reason == "length"
-        assert engine.num_failed_steps == 0
+        assert engine.faults.num_failed_steps == 0
     tokens, finals = run_requests(engine, [PROMPT], GREEDY)
     assert tokens == want and finals[0].finish_reason == "length"

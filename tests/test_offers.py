@@ -71,9 +71,9 @@ def test_offers_change_nothing_and_proposals_keep_to_them(tiny_pair):
             "num_speculative_tokens": 4, "adaptive": False, "tree_nodes": 8, "suffix": {"min_score": 1}}
     engine = Engine(EngineConfig(model=target, dtype="float32", speculative=spec))
     watched = {}
-    for method, proposer in engine.proposer.proposers.items():
+    for method, proposer in engine.spec.router.proposers.items():
         watched[method] = Watched(proposer)
-        assert engine.proposer.replace(method, watched[method]) is proposer
+        assert engine.spec.router.replace(method, watched[method]) is proposer
     assert run_requests(engine, prompts(), GREEDY)[0] == plain
     assert watched["draft"].drafted > 0 and watched["draft"].trees > 0   # a static plan: the first proposer
 
@@ -103,6 +103,6 @@ def test_proposers_come_from_one_registry_and_the_router_hides_its_map(tiny_pair
     assert set(PROPOSER_BUILDERS) == {"grammar", *PROPOSERS}
     engine = Engine(EngineConfig(model=str(tiny_pair[0]), dtype="float32",
                                  speculative={"method": "auto", "proposers": ["ngram", "suffix"]}))
-    assert engine.proposer.methods == ["grammar", "ngram", "suffix"]   # the registry's order
+    assert engine.spec.router.methods == ["grammar", "ngram", "suffix"]   # the registry's order
     with pytest.raises(TypeError):
-        engine.proposer.proposers["ngram"] = NgramProposer(1, 2)
+        engine.spec.router.proposers["ngram"] = NgramProposer(1, 2)

@@ -302,14 +302,14 @@ def test_an_engine_failure_mid_stream_ends_in_response_failed(tiny_pair, monkeyp
                                  speculative={"method": "draft", "draft": {"model": str(draft)}, "num_speculative_tokens": 2}))
     tokenizer = load_tokenizer(str(target))
     poison = tokenizer.encode("~")[0]
-    propose = engine.proposer.propose
+    propose = engine.spec.router.propose
 
     def failing_propose(scheduled, plan):
         if any(poison in s.request.token_ids[:s.request.num_prompt_tokens] and s.request.num_output_tokens >= 2
                for s in scheduled):
             raise RuntimeError("injected failure")
         return propose(scheduled, plan)
-    monkeypatch.setattr(engine.proposer, "propose", failing_propose)
+    monkeypatch.setattr(engine.spec.router, "propose", failing_propose)
     body = {"model": MODEL, "input": "~ poisoned", "max_output_tokens": 30, "temperature": 0}
     with InProcessServer(create_app(engine, tokenizer, MODEL)) as server:
         with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:

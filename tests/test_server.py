@@ -610,13 +610,13 @@ def test_disconnects_abort_and_free_blocks(make_server, monkeypatch):
 def test_engine_failure_of_one_request_is_a_500(make_server, monkeypatch):
     engine, server = make_server()
     poison = 7
-    propose = engine.proposer.propose
+    propose = engine.spec.router.propose
 
     def failing_propose(scheduled, plan):
         if any(s.request.token_ids[0] == poison and s.request.num_output_tokens >= 2 for s in scheduled):
             raise RuntimeError("injected failure")
         return propose(scheduled, plan)
-    monkeypatch.setattr(engine.proposer, "propose", failing_propose)
+    monkeypatch.setattr(engine.spec.router, "propose", failing_propose)
     body = {"model": MODEL, "prompt": [poison, 65, 66], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
     with server:
         error = assert_error(httpx.post(server.url + "/v1/completions", json=body), 500, code="engine_error")

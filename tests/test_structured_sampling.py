@@ -46,7 +46,7 @@ import pytest
 import torch
 from helpers import make_noisy_copy, make_tiny_checkpoint, pooled_chisquare, recover_from_p
 
-import engine.engine as engine_loop
+import engine.spec_decode.decoder as engine_loop
 import engine.verify as verify_module
 from engine import SamplingParams
 from engine.config import EngineConfig
@@ -192,7 +192,7 @@ def sample_outputs(engine: Engine, num: int, params: SamplingParams | list[Sampl
     and the drafts as proposed, as verified after the grammar's cut, accepted and rejected (counted
     around the engine's propose and verify calls, which run as they are)."""
     run = Run()
-    propose, verify = engine.proposer.propose, engine_loop.verify
+    propose, verify = engine.spec.router.propose, engine_loop.verify
     proposed_lengths: list[int] = []
 
     def counting_propose(scheduled, plan):   # constrain() cuts the proposal in place after this
@@ -211,7 +211,7 @@ def sample_outputs(engine: Engine, num: int, params: SamplingParams | list[Sampl
             run.cuts_inside += len(drafts) < before and item.request.num_output_tokens + len(drafts) < LENGTH
         return result
 
-    engine.proposer.propose, engine_loop.verify = counting_propose, counting_verify
+    engine.spec.router.propose, engine_loop.verify = counting_propose, counting_verify
     try:
         for start in range(0, num, BATCH):
             outputs = {}
@@ -228,7 +228,7 @@ def sample_outputs(engine: Engine, num: int, params: SamplingParams | list[Sampl
                     run.methods.update(m for m, verified, _ in engine.last_stats.drafts_by_method if verified)
             run.counts.update(tuple(tokens) for tokens in outputs.values())
     finally:
-        engine.proposer.propose, engine_loop.verify = propose, verify
+        engine.spec.router.propose, engine_loop.verify = propose, verify
     return run
 
 

@@ -134,7 +134,7 @@ def test_the_policy_hears_what_a_trees_alternatives_promised_and_won(tmp_path):
     model = str(make_scripted_checkpoint(tmp_path / "scripted", "abcdefgh"))
     engine = Engine(tree_config(model, "ngram"))
     outcomes = []
-    engine.policy.observe = lambda plan, outcome: outcomes.append(outcome)
+    engine.spec.policy.observe = lambda plan, outcome: outcomes.append(outcome)
     run_requests(engine, [list(b"ZabcdefghZa1Za2Z")], SamplingParams(max_tokens=8, temperature=0.0))
     trees = [v for outcome in outcomes for v in outcome.verified if v.alternatives_chance > 0]
     assert len(trees) == 1
@@ -212,7 +212,7 @@ def test_greedy_trees_under_a_sliding_window_are_lossless(windowed, method):
 def test_a_narrow_window_keeps_chains(tmp_path, prompts, caplog):
     target = str(make_tiny_checkpoint(tmp_path / "narrow", arch="mistral", seed=4, sliding_window=32))
     engine = Engine(tree_config(target, "ngram"))
-    assert engine.tree_nodes == 0 and "sliding window (32 positions) could cut a draft tree" in caplog.text
+    assert engine.spec.tree_nodes == 0 and "sliding window (32 positions) could cut a draft tree" in caplog.text
 
 
 def test_a_mixed_batch_drafts_its_chains_and_trees_in_the_same_forwards(target, prompts, drafts):
@@ -224,7 +224,7 @@ def test_a_mixed_batch_drafts_its_chains_and_trees_in_the_same_forwards(target, 
                                         repetition_penalty=1.3)] + [GREEDY] * (len(prompts) - 2)
     plain_out = generate(EngineConfig(model=target, dtype="float32"), prompts, params)[0]
     engine = Engine(draft_tree_config(target, drafts["random"]))
-    proposer = engine.proposer.proposers["draft"]
+    proposer = engine.spec.router.proposers["draft"]
     calls, mixed = [0], []
     forward, draft = proposer.runner.forward, proposer._draft
     proposer.runner.forward = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or forward(*a, **k)

@@ -14,7 +14,7 @@ _FAULTS = os.environ.get("SPECSERVE_TEST_FAULTS")
 if _FAULTS:
     import time
 
-    import engine.engine as _engine
+    import engine.spec_decode.decoder as _engine
 
     _faults = json.loads(_FAULTS)
     _verify = _engine.verify
