@@ -222,6 +222,10 @@ class _Choice:
 
 
 class GoodputPolicy:
+    hurdle = HURDLE          # (class attributes: bench/policy_ablation.py varies them in subclasses)
+    explore = EXPLORE
+    pricing_rounds = 2       # the second prices drafts at the goodput the first found
+
     def __init__(self, methods: list[str], costs: StepCosts, p_min: float | None = None):
         self.methods, self.costs, self.fixed_p_min = list(methods), costs, p_min
         self.pool = {m: DraftRates(POOL_FORGET) for m in self.methods}   # the engine-wide rates per proposer
@@ -255,28 +259,31 @@ class GoodputPolicy:
             return StepPlan()
         seqs, base = len(candidates) + view.num_prefill_seqs, len(candidates) + view.num_prefill_tokens
         plain_time = plan_time(self.costs, view, {})
-        # The prompts sharing the pass cost their time whatever the plan: only the decodes' share buys
-        # tokens. Counted in, a pass with a long prompt chunk made any draft look like a bargain (8
-        # tokens in 1.2 s against a few more rows), and drafts paid at that price lost at 8 streams.
-        decode_time = plan_time(self.costs, StepView(candidates), {})
+        decode_time = self._decode_time(view, plain_time)
         sunk = plain_time - decode_time
         plain_rate = len(candidates) / decode_time
         token = (self.costs.target(seqs, base + seqs) - self.costs.target(seqs, base)) / seqs
         rows = self._row_prices(token, len(candidates))
         shadow, ks, best_rate = plain_rate, {}, plain_rate
-        for _ in range(2):   # the second round prices drafts at the goodput the first found
+        for _ in range(self.pricing_rounds):
             choices = {c.request_id: self._choose(c, shadow, rows) for c in candidates}
             choices = {rid: choice for rid, choice in choices.items() if choice is not None}
             depth_ks, depth_rate = self._best_depth(view, choices, sunk)
             if depth_rate > best_rate:
                 ks, best_rate = depth_ks, depth_rate
             shadow = max(shadow, depth_rate)
-        if best_rate < (1.0 + HURDLE) * plain_rate:
+        if best_rate < (1.0 + self.hurdle) * plain_rate:
             ks = {}
         drafts = {rid: Draft(method, k, self._p_min(shadow, rows[method])) for rid, (method, k) in ks.items()}
         drafts.update(self._probes(view, drafts, shadow, decode_time, rows))
         calibration = {m: c.ratio() for m, c in self.calibration.items()}
         return priced(self.costs, view, with_trees(self.costs, view, drafts, shadow, calibration))
+
+    def _decode_time(self, view: StepView, plain_time: float) -> float:
+        """The decodes' share of a plain pass. The prompts sharing the pass cost their time whatever the
+        plan, so only this share buys tokens: counted in, a long prompt chunk makes any draft look
+        like a bargain (a few more rows against a pass the prompt makes long)."""
+        return plan_time(self.costs, StepView(view.candidates), {})
 
     def _row_prices(self, token: float, batch: int) -> dict[str, float]:
         """Seconds of one draft token per proposer: a target row, and for a model proposer its share
@@ -352,7 +359,7 @@ class GoodputPolicy:
         for c in idle:
             for method in (m for m in self.methods if c.caps.get(m, 0) > 0):
                 self._own(c.request_id, method).age()
-        self.credit += EXPLORE * plain_time
+        self.credit += self.explore * plain_time
         self.refund = plain_time / len(view.candidates)   # a plain token at this batch
         choices = {c.request_id: self._choose(c, shadow, rows, optimistic=True) for c in idle}
         choices = {rid: choice for rid, choice in choices.items() if choice is not None}
