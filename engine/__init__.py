@@ -3,10 +3,10 @@ import os
 
 # Big CPU tensors (weights, KV caches, activations of 2 MiB and more) in transparent huge pages:
 # torch reads this once, at its first allocation, so it must be set before torch is imported (the
-# engine core and the benchmarks import engine first; child processes inherit it). Measured on the
-# default target, bf16, batch 1: 31 tok/s on against 26-30 off (fewer TLB misses while the weights
-# stream); with 4 KiB pages, identical engines in one process also decoded 3-5% apart. Set it to 0
-# to turn huge pages off.
+# engine core and the benchmarks import engine first; child processes inherit it). Streaming weights
+# through 4 KiB pages misses the TLB often, which slows decoding and makes identical engines in one
+# process decode at different speeds (docs/benchmarks.md, "Figures behind design choices"). Set it
+# to 0 to turn huge pages off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from engine.config import EngineConfig, SpeculativeConfig

@@ -93,7 +93,7 @@ def apply_penalties(
     repetition = column([params[i].repetition_penalty for i in rows])
 
     row_index = torch.tensor(rows, dtype=torch.long, device=device)
-    selected = logits[row_index].float()   # index_select is ~50x slower on vocab-wide rows (CPU)
+    selected = logits[row_index].float()   # index_select is far slower on vocab-wide rows (CPU)
     seen = in_prompt | (counts > 0)
     scaled = torch.where(selected > 0, selected / repetition, selected * repetition)
     selected = torch.where(seen, scaled, selected)
@@ -170,7 +170,7 @@ def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     out = logits.clone()
     if len(rows) == 0:
         return out
-    # Advanced indexing, not index_select: on CPU that is ~50x slower for vocabulary-wide rows.
+    # Advanced indexing, not index_select: on CPU that is far slower for vocabulary-wide rows.
     sub, sub_k, sub_p = logits[rows], top_k[rows], top_p[rows]
     filtered, exact = _filter_candidates(sub, sub_k, sub_p)
     if not bool(exact.all()):

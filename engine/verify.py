@@ -158,8 +158,8 @@ def _accept_greedy(order: list[int], drafts: list[list[int]], logits: torch.Tens
                    sample_rows: dict[int, list[int]], result: VerifyResult) -> None:
     """Greedy rows without penalties or logprobs: accept drafts while they equal the target's
     argmax, then emit the argmax at the first mismatch (or the bonus row). The same tokens as the
-    general path, which builds warped [B, K+1, V] distributions first: 1.4 ms of a 21 ms batch-4
-    step on the default target, for one argmax per row."""
+    general path, which builds warped [B, K+1, V] vocabulary-wide distributions first, all for one
+    argmax per row."""
     flat = [row for i in order for row in sample_rows[i]]
     best = logits[torch.tensor(flat, dtype=torch.long, device=logits.device)].argmax(dim=-1).tolist()
     start = 0

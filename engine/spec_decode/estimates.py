@@ -88,8 +88,8 @@ class AcceptanceRate:
 
 class DraftRates:
     """A proposer's acceptance as two rates: its first draft token, and each later one given the ones
-    before it were accepted. Copying proposers differ most there (on code edits n-gram's first draft
-    token was accepted 0.59 of the time, each later one 0.83-0.97): one rate for all positions would
+    before it were accepted. Copying proposers differ most there (a copy's first token is a guess
+    whether the copy applies; once it does, the later ones follow): one rate for all positions would
     under-price a copy in progress, and a one-token probe would judge it by its weakest token."""
 
     def __init__(self, forget: float = FORGET):
@@ -115,8 +115,8 @@ class DraftRates:
         """(first, rest), each shrunk toward its prior by `weight` pseudo-tokens. Without a prior (the
         engine-wide rates) a later token is taken to be as likely as the first until later tokens
         have been judged: the rest rate is only judged where a draft goes past its first token, and
-        a prior far below the first rate (0.5 against a draft model's 0.98) would keep every draft at
-        one token, which never judges the rest."""
+        a prior far below the first rate (0.5 against a good draft model's first rate) would keep
+        every draft at one token, which never judges the rest."""
         if prior is None:
             first = self.first.mean()
             return first, self.rest.mean(first, PRIOR_WEIGHT)

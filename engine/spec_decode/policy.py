@@ -315,9 +315,9 @@ class GoodputPolicy:
     def _catch_up_share(self, c: Candidate, method: str, tokens: float) -> float:
         """The catch-up's share charged to a step that expects `tokens` drafts accepted: catching up
         buys drafting for the rest of the request, so its price is spread over the tokens the request
-        may still generate. Charged whole to one step, a draft model's first catch-up (the prompt: a
-        third of a second for 150 tokens of a 0.5B draft on 2 cores) outweighed any step's gain, and
-        a 0.5B draft whose 1.5B sibling accepted 0.93 of its tokens was never tried."""
+        may still generate. Charged whole to one step, a draft model's first catch-up (the whole
+        prompt) outweighs any one step's gain, and a draft the target accepts almost always would
+        never be tried."""
         full = self._catch_up(c, method)
         return full * min(1.0, (1.0 + tokens) / max(c.remaining, 1))
 
