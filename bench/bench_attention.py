@@ -1,11 +1,11 @@
-"""Attention microbenchmark: the padded-gather reference path vs the "sequences" path.
+"""Attention microbenchmark: the torch reference backend padded (one gathered call) vs grouped ("sequences").
 
 Prints, measured side by side in one run (the two paths alternate; best of --repeats rounds, each round
 timing every case once, so bursts of load from other processes spread out), the time of one layer's
 paged_attention call for batch x context x query length, in fp32 and bf16, with the default model's
 shapes (9 query heads, 3 KV heads, head_dim 64, block size 16), for block tables whose blocks are
 consecutive ids, scattered ones, and "mixed" ones (see block_tables). Context counts the new tokens.
-With --engine, also batch-16 greedy tokens/s with each path in the same process: bench/bench_engine.py's
+With --engine, also batch-16 greedy tokens/s with each form in the same process: bench/bench_engine.py's
 random ~270M Llama, and a random Llama of the default target's shapes with 256-token prompts.
 
     python bench/bench_attention.py [--threads N] [--repeats 5] [--engine]
@@ -21,11 +21,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import engine.attention_metadata as attention_metadata  # noqa: E402
-from engine.attention import AttentionMetadata, paged_attention  # noqa: E402
+from engine.attention import paged_attention  # noqa: E402
+from engine.attention_backends import TorchBackend  # noqa: E402
+from engine.attention_metadata import PassLayout  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 PATHS = ("padded", "sequences")
+
+
+def torch_backend(path: str, block_size: int = BLOCK_SIZE) -> TorchBackend:
+    """The torch reference in the form `path` names: one padded call, or sequences grouped."""
+    return TorchBackend(block_size, torch.device("cpu"), group_sequences=path == "sequences")
 
 
 def block_tables(batch: int, context: int, layout: str, generator: torch.Generator):
@@ -54,11 +60,8 @@ def layer_call(batch: int, context: int, q_len: int, dtype: torch.dtype, layout:
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
     query = torch.randn(batch * q_len, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
     key = torch.randn(batch * q_len, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    metas = {}
-    for path in PATHS:
-        attention_metadata.TORCH_ATTENTION = path
-        metas[path] = AttentionMetadata.build([q_len] * batch, seq_lens, tables, BLOCK_SIZE, torch.device("cpu"))
-    attention_metadata.TORCH_ATTENTION = "auto"
+    layout = PassLayout([q_len] * batch, seq_lens, tables)
+    metas = {path: torch_backend(path).build(layout) for path in PATHS}
     return lambda path: paged_attention(query, key, key, cache, metas[path], HEAD_DIM ** -0.5)
 
 
@@ -111,7 +114,8 @@ SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers
 
 
 def engine_figure(name: str, overrides: dict, prompt_len: int, new_tokens: int, repeats: int) -> None:
-    """Batch-16 greedy throughput of one engine with each path, alternating, in one process."""
+    """Batch-16 greedy throughput of one engine with the target's attention on each form of the torch
+    reference, alternating, in one process."""
     import tempfile
 
     from bench_engine import ours_tokens_per_s, prompts
@@ -123,11 +127,11 @@ def engine_figure(name: str, overrides: dict, prompt_len: int, new_tokens: int, 
     llm = LLM(path, dtype="auto", skip_tokenizer_init=True, max_num_seqs=16)
     batch = prompts(16, prompt_len)
     best = dict.fromkeys(PATHS, 0.0)
+    target = llm.engine.target
     for _ in range(repeats):
         for path_name in PATHS:
-            attention_metadata.TORCH_ATTENTION = path_name
+            target.attention = torch_backend(path_name, target.block_size)
             best[path_name] = max(best[path_name], ours_tokens_per_s(llm, batch, new_tokens, 1))
-    attention_metadata.TORCH_ATTENTION = "auto"
     print(f"engine {name} (dtype {str(llm.engine.dtype).replace('torch.', '')}, 16 requests, {prompt_len}-token "
           f"prompts, {new_tokens} new tokens): padded {best['padded']:.1f} tok/s, sequences "
           f"{best['sequences']:.1f} tok/s, {best['sequences'] / best['padded']:.2f}x", flush=True)

@@ -1,44 +1,40 @@
-"""Paged attention: the only file that knows flash-attn from torch SDPA.
+"""Paged attention: the one function every layer calls, and the ops the backends compute it with.
 
-Every layer reads the pass's metadata (engine/attention_metadata.py: AttentionMetadata, built once
-per pass by the model runner, or the fixed-grid DecodeMetadata that CUDA graphs capture) and
-attends through rope_paged_attention: RoPE on queries and keys, keys and values into the paged
-cache at the pass's slot mapping, then attention over each sequence's pages.
+Every layer reads the pass's metadata, built once per pass by the runner's attention backend
+(engine/attention_backends.py: the C++ kernel, the torch reference, flash-attn, each with the
+fixed-grid form that CUDA graphs capture), and attends through rope_paged_attention: RoPE on queries
+and keys, keys and values into the paged cache at the pass's slots, then attention over each
+sequence's pages. The metadata runs it the way its backend does; no layer asks which one that is.
+This is the only file that imports flash-attn.
 
 KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim],
 so kv_cache[0] / kv_cache[1] are exactly flash-attn's paged k_cache / v_cache.
 
-On CPU in fp32, decode-shaped passes whose runner's model uses the fused CPU ops (models.llama.use_fused_cpu_ops)
-are marked `kernel`: one C++ call per layer does RoPE, the cache write and the attention over the pages where
-they lie (engine/csrc/decode_ops.cpp, rope_paged_attention below). Otherwise, two torch paths (attention_metadata.TORCH_ATTENTION,
-read when the metadata is built; setting it to "sequences" or "padded" also turns the kernel off):
-  "padded"     the reference: every sequence's pages gathered into one padded [B, H_kv, max_seq_len, D]
-               tensor, one SDPA call with a dense mask (_padded_gather_attention);
-  "sequences"  the CPU default for decode and verification rows: sequences of one query length and
-               close key counts share an SDPA call over their own blocks; a lone one whose blocks are
-               consecutive ids reads a view of the cache, no copy; the query heads sharing a KV head are
-               folded into query rows (_sequence_attention). A prefill chunk (more than SEQUENCE_MAX_QUERY
-               tokens) takes the padded path alone: causal without a mask when it is a whole prompt.
+The torch reference's two forms:
+  padded     every sequence's pages gathered into one padded [B, H_kv, max_seq_len, D] tensor, one SDPA
+             call with a dense mask (padded_gather_attention);
+  grouped    decode and verification rows: sequences of one query length and close key counts share an
+             SDPA call over their own blocks; a lone one whose blocks are consecutive ids reads a view of
+             the cache, no copy; the query heads sharing a KV head are folded into query rows
+             (sequence_attention).
 
-Two per-layer extras change the scores themselves, so SDPA cannot compute them; the torch paths then
-compute attention step by step (_attend):
+Two per-layer extras change the scores themselves, so SDPA cannot compute them; the torch reference
+then computes attention step by step (_attend):
   softcap  (Gemma 2) scores = softcap * tanh(scores / softcap), before the mask and the softmax;
   sinks    (gpt-oss) a learned logit per query head [H_q] that joins each softmax's denominator only:
            out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)).
 The C++ kernel knows neither; flash-attn knows softcap (its `softcap` argument) but not sinks. A layer
-that needs what its pass's path lacks reads a torch-path copy of the pass's metadata instead
-(AttentionMetadata.torch_variant), built once per pass by the first such layer, so the runner and the
-other layers keep the fast path.
+that needs what its backend lacks attends through the torch reference over the same pass
+(AttentionMetadata.reference), so the runner and the other layers keep the fast path.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.attention_metadata import AttentionMetadata, DecodeMetadata, KeyGroup, SequencePlan
+from engine.attention_metadata import KeyGroup, SequencePlan
 
-try:  # flash-attn is an optional GPU extra; the torch path is the reference.
+try:  # flash-attn is an optional GPU extra; the torch backend is the reference.
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore
 except Exception:  # ImportError, or a wheel built for another torch/CUDA
     flash_attn_varlen_func = flash_attn_with_kvcache = None
@@ -51,32 +47,114 @@ def flash_available(device: torch.device) -> bool:
     return flash_attn_varlen_func is not None and torch.device(device).type == "cuda"
 
 
-def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeMetadata, scale: float,
-                      window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """query [B * Q, H_q, D] -> [B * Q, H_q, D] over the grid: flash_attn_with_kvcache reads the pages
-    in place (not with sinks or draft trees, which it lacks); the torch path gathers every sequence's
-    max_blocks pages and masks (the reference)."""
-    num_seqs, q_len = meta.num_seqs, meta.query_len
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_heads = query.shape[1]
-    grid = query.view(num_seqs, q_len, num_heads, head_dim)
-    if meta.use_flash and sinks is None and meta.tree_bits is None:
-        out = flash_attn_with_kvcache(
-            grid, kv_cache[0], kv_cache[1], cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
-            softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
-            **_flash_softcap(softcap))
-        return out.view(num_seqs * q_len, num_heads, head_dim)
-    num_keys = meta.block_tables.shape[1] * block_size
-    keys, values = (cache.index_select(0, meta.block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)
-                    .transpose(1, 2) for cache in kv_cache)
-    out = _attend(grid.transpose(1, 2), keys, values, meta.mask(num_keys, window), scale, softcap=softcap,
-                  sinks=None if sinks is None else sinks.view(1, num_heads, 1))   # [B, H_q, Q, D]
-    return out.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim)
+class AttentionMetadata:
+    """What one pass's layers attend over, built once per pass by an attention backend; each kind
+    attends the way its backend does (attend). Every kind has `slot_mapping`, the cache slot of each
+    new token (or grid row)."""
+
+    slot_mapping: torch.Tensor
+
+    def rope_attention(self, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                       kv_cache: torch.Tensor, num_heads: int, scale: float, window: int | None,
+                       softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """rope_paged_attention on this pass: RoPE here, then attention."""
+        query, key = apply_rope(qk, cos, sin_signed).split([num_heads, qk.shape[1] - num_heads], dim=1)
+        return self.attention(query, key, value, kv_cache, scale, window, softcap, sinks)
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                  scale: float, window: int | None, softcap: float | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+        """paged_attention on this pass: keys and values into the cache, then attention."""
+        write_kv(kv_cache, key, value, self.slot_mapping)
+        return self.attend(query, kv_cache, scale, window, softcap, sinks)
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None,
+               softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """query [T, H_q, D] -> [T, H_q, D] over the cache, this pass's keys already in it."""
+        raise NotImplementedError
+
+
+def rope_paged_attention(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+                         scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """qk [T, H_q + H_kv, D] (queries, then keys, before RoPE), value [T, H_kv, D] -> [T, H_q, D]:
+    RoPE on queries and keys, keys and values into the cache, attention, as the pass's backend
+    computes them (the C++ kernel does all three in one call). sliding_window: this layer's (None:
+    full attention); softcap, sinks [H_q]: its score soft-capping and attention sinks (see the
+    module's docstring)."""
+    return meta.rope_attention(qk, value, cos, sin_signed, kv_cache, num_heads, scale, sliding_window, softcap, sinks)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None, *, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """query [T, H_q, D], key/value [T, H_kv, D] (RoPE applied) -> output [T, H_q, D]. sliding_window:
+    this layer's (None: full attention); once it cuts anything, the metadata must have been built with
+    it (the decode grid's masks are per layer). softcap, sinks [H_q]: see the module's docstring."""
+    return meta.attention(query, key, value, kv_cache, scale, sliding_window, softcap, sinks)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] -> rotated [T, H, D] (neox style; see models.rope.RotaryEmbedding for the layout)."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this pass's keys/values ([T, H_kv, D]) into their cache slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def _flash_softcap(softcap: float | None) -> dict:
     """flash-attn's softcap argument, passed only when set (flash-attn before 2.6 has none)."""
     return {} if softcap is None else {"softcap": float(softcap)}
+
+
+def flash_varlen_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                           block_tables: torch.Tensor, scale: float, window: int | None,
+                           softcap: float | None) -> torch.Tensor:
+    """query [T, H_q, D] -> [T, H_q, D]: flash-attn over the pages where they lie, causal per sequence."""
+    return flash_attn_varlen_func(
+        query, kv_cache[0], kv_cache[1],
+        cu_seqlens_q=query_start_loc, cu_seqlens_k=seq_start_loc,
+        max_seqlen_q=max_query_len, max_seqlen_k=max_seq_len,
+        softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
+        block_table=block_tables,
+        **_flash_softcap(softcap),
+    )
+
+
+def flash_grid_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+                         block_tables: torch.Tensor, query_len: int, scale: float, window: int | None,
+                         softcap: float | None) -> torch.Tensor:
+    """query [B * Q, H_q, D] -> [B * Q, H_q, D] over a decode grid: flash_attn_with_kvcache reads the
+    pages in place."""
+    num_seqs, (_, num_heads, head_dim) = seq_lens.shape[0], query.shape
+    out = flash_attn_with_kvcache(
+        query.view(num_seqs, query_len, num_heads, head_dim), kv_cache[0], kv_cache[1], cache_seqlens=seq_lens,
+        block_table=block_tables, softmax_scale=scale, causal=True,
+        window_size=(-1, -1) if window is None else (window - 1, 0), **_flash_softcap(softcap))
+    return out.view(num_seqs * query_len, num_heads, head_dim)
+
+
+def grid_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
+                   query_len: int, mask: torch.Tensor, scale: float, softcap: float | None,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
+    """query [B * Q, H_q, D] -> [B * Q, H_q, D] over a decode grid, the torch reference: every
+    sequence's pages (block_ids [B * blocks]) gathered, then masked (mask [B, 1, Q, blocks * block_size])."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    grid = query.view(num_seqs, query_len, num_heads, head_dim)
+    num_keys = mask.shape[-1]
+    keys, values = (cache.index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)
+                    .transpose(1, 2) for cache in kv_cache)
+    out = _attend(grid.transpose(1, 2), keys, values, mask, scale, softcap=softcap,
+                  sinks=None if sinks is None else sinks.view(1, num_heads, 1))   # [B, H_q, Q, D]
+    return out.transpose(1, 2).reshape(num_seqs * query_len, num_heads, head_dim)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -106,102 +184,14 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     return torch.matmul(weights.to(values.dtype), values)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] -> rotated [T, H, D] (neox style; see models.rope.RotaryEmbedding for the layout)."""
-    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
-
-
-def rope_paged_attention(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                         kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, num_heads: int,
-                         scale: float, sliding_window: int | None = None, *, softcap: float | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """qk [T, H_q + H_kv, D] (queries, then keys, before RoPE), value [T, H_kv, D] -> [T, H_q, D]:
-    RoPE on queries and keys, keys and values into the cache, attention. A kernel pass is one C++
-    call; every other pass rotates here and goes through paged_attention. softcap, sinks [H_q]: this
-    layer's score soft-capping and attention sinks (see the module's docstring)."""
-    if (softcap is not None or sinks is not None) and isinstance(meta, AttentionMetadata) \
-            and (meta.kernel or meta.kernel_rows):
-        # The kernel computes neither: this layer takes the torch path over the same pass. (Keeping the
-        # kernel's metadata and switching per layer lets a model mix such layers with kernel ones.)
-        meta = meta.torch_variant(kv_cache.shape[2], sliding_window)
-    if isinstance(meta, AttentionMetadata) and meta.kernel:
-        return cpu_kernels.extension().rope_paged_attention(
-            qk, value, cos, sin_signed, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-            meta.block_tables, num_heads, scale, sliding_window or 0, meta.tree_bits, meta.tree_cols)
-    if isinstance(meta, AttentionMetadata) and meta.kernel_rows:
-        return _rope_attention_by_group(qk, value, cos, sin_signed, kv_cache, meta, num_heads, scale, sliding_window)
-    query, key = apply_rope(qk, cos, sin_signed).split([num_heads, qk.shape[1] - num_heads], dim=1)
-    return paged_attention(query, key, value, kv_cache, meta, scale, sliding_window, softcap=softcap, sinks=sinks)
-
-
-def _rope_attention_by_group(qk, value, cos, sin_signed, kv_cache, meta: AttentionMetadata, num_heads: int,
-                             scale: float, sliding_window: int | None) -> torch.Tensor:
-    """A pass whose decode-shaped rows go to the kernel and whose prefill chunks to torch, group by group."""
-    if sliding_window is not None and meta.windowed is not None:
-        meta = meta.windowed
-    out = qk.new_empty(qk.shape[0], num_heads, qk.shape[2])
-    for rows, group in meta.groups:
-        out[rows] = rope_paged_attention(qk[rows], value[rows], cos[rows], sin_signed[rows], kv_cache, group,
-                                         num_heads, scale, sliding_window)
-    return out
-
-
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this pass's keys/values ([T, H_kv, D]) into their cache slots."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-
-
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, scale: float,
-                    sliding_window: int | None = None, *, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """query [T, H_q, D], key/value [T, H_kv, D] -> output [T, H_q, D]. sliding_window: this
-    layer's (None: full attention); once it cuts anything, an AttentionMetadata must have been built
-    with it (a DecodeMetadata masks per layer). softcap, sinks [H_q]: see the module's docstring."""
-    write_kv(kv_cache, key, value, meta.slot_mapping)
-    if isinstance(meta, DecodeMetadata):
-        return _decode_attention(query, kv_cache, meta, scale, sliding_window, softcap, sinks)
-    if sinks is not None and meta.use_flash:   # flash-attn has no sinks: the torch path over this pass
-        meta = meta.torch_variant(kv_cache.shape[2], sliding_window)
-    if sliding_window is not None and meta.max_seq_len > sliding_window and meta.sliding_window != sliding_window:
-        if meta.windowed is None or meta.windowed.sliding_window != sliding_window:
-            raise ValueError(f"a layer with sliding window {sliding_window} got attention metadata built for "
-                             f"window {meta.windowed and meta.windowed.sliding_window}")
-        meta = meta.windowed
-    if meta.use_flash:
-        window = (-1, -1) if meta.sliding_window is None else (meta.sliding_window - 1, 0)
-        return flash_attn_varlen_func(
-            query, kv_cache[0], kv_cache[1],
-            cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.seq_start_loc,
-            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,
-            softmax_scale=scale, causal=True, window_size=window, block_table=meta.block_tables,
-            **_flash_softcap(softcap),
-        )
-    return _torch_paged_attention(query, kv_cache, meta, scale, softcap, sinks)
-
-
-def _torch_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    if meta.groups is not None:
-        out = torch.empty_like(query)
-        for rows, group in meta.groups:
-            out[rows] = _torch_paged_attention(query[rows], kv_cache, group, scale, softcap, sinks)
-        return out
-    if meta.plan is not None:
-        return _sequence_attention(query, kv_cache, meta.plan, scale, softcap, sinks)
-    return _padded_gather_attention(query, kv_cache, meta, scale, softcap, sinks)
-
-
-def _sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: SequencePlan, scale: float,
-                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def sequence_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: SequencePlan, scale: float,
+                       softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H_q, D] -> [T, H_q, D]: one SDPA call per group of the plan, on a view of the cache for
     a lone sequence whose blocks are consecutive, else on the group's own blocks gathered (padded only
     to the group's longest sequence).
 
     The G = H_q / H_kv query heads that share a KV head become G query rows of that head,
-    [n, H_kv, q_len * G, D]: CPU SDPA with enable_gqa and one query row per head is up to ~5x slower in bf16."""
+    [n, H_kv, q_len * G, D]: CPU SDPA with enable_gqa and one query row per head is slower, most of all in bf16."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     group = query.shape[1] // num_kv_heads
     grouped = query.view(-1, num_kv_heads, group, head_dim)   # [T, H_kv, G, D]
@@ -236,9 +226,10 @@ def _group_attention(grouped: torch.Tensor, kv_cache: torch.Tensor, by_head: lis
     return o.reshape(n * q_len, num_kv_heads, group, head_dim)
 
 
-def _padded_gather_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                             softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference torch path: every sequence's pages gathered into one padded tensor, one SDPA call."""
+def padded_gather_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The padded torch reference: every sequence's pages gathered into one padded tensor, one SDPA call.
+    meta: a TorchMetadata with its padded tensors (attention_backends.py)."""
     num_seqs, max_q = meta.num_seqs, meta.max_query_len
     num_heads, head_dim = query.shape[1], query.shape[2]
     # Gather each sequence's pages into a contiguous [B, H_kv, max_seq_len, D] view.

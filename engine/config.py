@@ -19,6 +19,8 @@ MAX_SPEC_TOKENS = 32
 # How model weights are obtained: read from the checkpoint, or random of its config's shapes (benchmarking
 # a shape without its weights: vLLM's --load-format dummy).
 LOAD_FORMATS = ("auto", "dummy")
+# Who computes attention (engine/attention_backends.py): auto picks flash-attn, else the C++ kernel, else torch.
+ATTENTION_BACKENDS = ("auto", "kernel", "torch", "flash")
 DTYPES = ("bfloat16", "float16", "float32")
 
 logger = logging.getLogger("specserve.config")
@@ -317,6 +319,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1         # the target sharded over this many processes (engine/tensor_parallel.py)
     tensor_parallel_timeout: float = 60.0   # seconds a collective waits for a worker before the group is dead
     load_format: str = "auto"             # auto: read the weights | dummy: random ones of the config's shapes
+    attention_backend: str = "auto"       # auto | kernel | torch | flash (engine/attention_backends.py)
+    cpu_kernels: bool = True              # a layer's small ops fused in C++ on CPU in fp32 (engine/cpu_kernels.py)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -328,6 +332,7 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         check_model_path(self.model, "model")
+        self._check_attention()
         self._check_tensor_parallel()
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "max_step_failures"):
             if getattr(self, name) < 1:
@@ -336,6 +341,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+
+    def _check_attention(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if not isinstance(self.cpu_kernels, bool):
+            raise ValueError(f"cpu_kernels must be true or false, got {self.cpu_kernels!r}")
+        if self.attention_backend == "kernel" and not self.cpu_kernels:
+            raise ValueError("attention_backend kernel is one of the fused CPU ops: it needs cpu_kernels true")
 
     def _check_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size

@@ -13,8 +13,8 @@ Four families, one extension:
 
 torch's extension loader compiles them on first use (a C++ compiler and ninja are needed; about two
 minutes; cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions). They need AVX2 and
-FMA. SPECSERVE_CPU_KERNELS=0 keeps the fused ops off (torch's ops everywhere; `quantization` still
-uses the linears).
+FMA. The `cpu_kernels` option (EngineConfig) false keeps the fused ops off (torch's ops everywhere;
+`quantization` still uses the linears).
 """
 from __future__ import annotations
 
@@ -55,10 +55,10 @@ def extension():
                 extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCES[0].parent)], verbose=verbose)
 
 
-def fused_ops_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on (device, dtype) should run its layers' small ops through decode_ops.cpp."""
-    if os.environ.get("SPECSERVE_CPU_KERNELS", "1") == "0" or torch.device(device).type != "cpu" \
-            or dtype != torch.float32:
+def fused_ops_usable(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> bool:
+    """Whether a model on (device, dtype) should run its layers' small ops through decode_ops.cpp.
+    enabled: the `cpu_kernels` option."""
+    if not enabled or torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
     reason = unavailable_reason()
     if reason:

@@ -1,7 +1,7 @@
 """Decode-shaped passes on a fixed grid, replayed as CUDA graphs.
 
-On a GPU a small model's decode step is bound by kernel launches, not by the weights (README: ~8 ms
-of Python and launches against ~0.1 ms of weight streaming for the default target on an H200). A
+On a GPU a small model's decode step is bound by kernel launches, not by the weights (Python and
+launches cost far more than streaming the default target's weights; README has the figures). A
 CUDA graph records one pass's kernels once and replays them with a single launch, but it needs
 every tensor's shape, and every address, fixed. So a decode-shaped pass (every fed token a query
 whose logits are wanted: decode and verification rows; also a short run of tokens for one logit, a
@@ -13,12 +13,15 @@ draft model's catch-up) is laid out as a grid in persistent buffers:
                  (1, 2, 4, ... and the most a step verifies), so the causal mask stays aligned to each
                  one's last key; the rows before them are padding, written to the scratch slot;
     key blocks   the block table padded to a power of two of blocks (flash-attn reads only up to each
-                 sequence's length; the torch path gathers them all, so fewer is cheaper).
+                 sequence's length; the torch reference gathers them all, so fewer is cheaper).
 
 A pass that verifies a draft tree fills two more buffers, each row's visible tree positions as bits
 and each sequence's number of tree positions (the encoding of the CPU attention kernel), and its
 attention builds its mask from them on the device (flash-attn takes no such mask: tree passes take
-the torch path's SDPA over the grid, chain passes keep flash-attn).
+the torch reference's SDPA over the grid, chain passes keep flash-attn).
+
+The runner's attention backend gives the grid's metadata (AttentionBackend.grid_metadata: SDPA over
+the grid, or flash_attn_with_kvcache with flash-attn).
 
 One graph per (sequences, query rows, key blocks, tree or not) bucket is captured the first time a
 pass needs it, all in one memory pool. Without capture (`capture=False`) the same grid runs eagerly: that is how the
@@ -33,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from engine.attention import DecodeMetadata
+from engine.attention_backends import AttentionBackend
 from engine.attention_metadata import check_tree_mask, row_tree_bits
 
 # Seconds this process has spent capturing graphs (see work_clock).
@@ -42,9 +45,8 @@ _capture_seconds = 0.0
 
 def work_clock() -> float:
     """time.perf_counter() less the time spent capturing CUDA graphs: a clock for the cost model.
-    A pass that records its bucket's graph takes ~30 ms on an H200 against ~2 ms replayed, once;
-    timed in full, it made a drafting step look 15x dearer than it is, and the policy stopped
-    drafting (static gamma 8 1.44x plain, adaptive 0.97x, alpha 0.9 batch 1)."""
+    A pass that records its bucket's graph takes many times longer than one replayed, once; timed in
+    full, it makes a drafting step look far dearer than it is, and the policy stops drafting."""
     return time.perf_counter() - _capture_seconds
 
 
@@ -72,16 +74,17 @@ def _bucket(buckets: list[int], n: int) -> int:
 
 
 class DecodeGrid:
-    """Runs a model's decode-shaped passes on the grid. `pad`: round the grid up to buckets (needed
-    for graphs, whose shapes repeat); `capture`: record each bucket's pass as a CUDA graph and replay it."""
+    """Runs a model's decode-shaped passes on the grid. `attention`: the runner's backend, whose grid
+    metadata the layers read; `pad`: round the grid up to buckets (needed for graphs, whose shapes
+    repeat); `capture`: record each bucket's pass as a CUDA graph and replay it."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, scratch_block: int,
-                 max_seqs: int, max_query_len: int, max_blocks: int, device: torch.device, use_flash: bool,
-                 pad: bool = True, capture: bool = False):
+                 max_seqs: int, max_query_len: int, max_blocks: int, device: torch.device,
+                 attention: AttentionBackend, pad: bool = True, capture: bool = False):
         if capture and torch.device(device).type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
-        self.scratch_block, self.use_flash, self.device = scratch_block, use_flash, torch.device(device)
+        self.scratch_block, self.attention, self.device = scratch_block, attention, torch.device(device)
         self.max_seqs, self.max_query_len, self.max_blocks = max_seqs, min(max_query_len, MAX_QUERY_LEN), max_blocks
         self.pad, self.capture = pad, capture
         self.seq_buckets, self.query_buckets = batch_buckets(max_seqs), power_buckets(self.max_query_len)
@@ -102,7 +105,7 @@ class DecodeGrid:
         """A pass this grid can hold: no sequence feeds more tokens than its query rows. (The grid
         computes every fed token's final hidden state; the runner keeps the rows whose logits are
         wanted. So a draft model's catch-up, several tokens for one logit, replays a graph too: run
-        eagerly, it took 1.5-1.9 ms on an H200 against 0.4 ms for a replayed draft step.)"""
+        eagerly, it costs several replayed draft steps.)"""
         return (0 < len(items) <= self.max_seqs
                 and all(item.num_logits <= len(item.token_ids) <= self.max_query_len for item in items)
                 and all(len(item.block_table) <= self.max_blocks for item in items))
@@ -177,9 +180,9 @@ class DecodeGrid:
     def _inputs(self, num_seqs: int, q_len: int, num_blocks: int, tree: bool) -> tuple:
         """The model's arguments as views of the persistent buffers (a fresh metadata: its masks are per pass)."""
         size, width = num_seqs * q_len, num_seqs * num_blocks
-        meta = DecodeMetadata(self.slot_mapping[:size], self.seq_lens[:num_seqs],
-                              self.block_tables[:width].view(num_seqs, num_blocks), self.block_ids[:width],
-                              q_len, self.use_flash)
+        meta = self.attention.grid_metadata(self.slot_mapping[:size], self.seq_lens[:num_seqs],
+                                            self.block_tables[:width].view(num_seqs, num_blocks),
+                                            self.block_ids[:width], q_len)
         if tree:
             meta.positions, meta.tree_bits, meta.tree_cols = \
                 self.positions[:size], self.tree_bits[:size], self.tree_cols[:num_seqs]

@@ -5,7 +5,8 @@ the block ids of the shared block pool, plus one scratch block that no request
 owns: padding rows of a decode grid write there). The target and the draft
 model each have a runner; both read the same block tables. With a decode grid
 (engine/decode_grid.py), decode-shaped passes run on it: as CUDA graphs, or
-through flash_attn_with_kvcache.
+through flash_attn_with_kvcache. Attention runs on the runner's backend (engine/attention_backends.py),
+chosen once when the runner is built; each pass's metadata is built once, from the pass's PassLayout.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.attention_metadata import fed_positions
+from engine.attention_backends import AttentionBackend, choose_backend
+from engine.attention_metadata import PassLayout, fed_positions
 from engine.decode_grid import DecodeGrid
 
 
@@ -43,14 +44,16 @@ class ModelRunner:
     in a paged buffer beside the KV cache, for proposers that draft from the target's features
     (EAGLE heads). Like KV, a position's feature is written when the position is computed
     and stays valid while the position's block holds it: rollback, preemption and prefix caching
-    need no bookkeeping of their own."""
+    need no bookkeeping of their own. attention: the backend every pass attends with (default: the one
+    attention_backend auto picks for this model, device and dtype)."""
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, use_flash: bool = False, keep_features: bool = False):
+                 dtype: torch.dtype, device: torch.device, attention: AttentionBackend | None = None,
+                 keep_features: bool = False):
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.use_flash = use_flash
+        self.attention = attention or choose_backend("auto", model, block_size, device, dtype)
         self.scratch_block = num_blocks
         shape = (2, num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
@@ -64,7 +67,7 @@ class ModelRunner:
         """Run decode-shaped passes on a DecodeGrid: padded to buckets and captured as CUDA graphs
         (pad, capture), or at their own sizes (flash_attn_with_kvcache for decode rows)."""
         self.decode_grid = DecodeGrid(self.model, self.kv_caches, self.block_size, self.scratch_block, max_seqs,
-                                      max_query_len, max_blocks, self.device, self.use_flash, pad, capture)
+                                      max_query_len, max_blocks, self.device, self.attention, pad, capture)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -80,16 +83,7 @@ class ModelRunner:
         them (EagleHead)."""
         if features is None and self.decode_grid is not None and self.decode_grid.fits(items):
             return self._grid_forward(items, return_hidden)
-        query_lens = [len(item.token_ids) for item in items]
-        seq_lens = [item.start_pos + n for item, n in zip(items, query_lens)]
-        tables = [item.block_table for item in items]
-        if any(item.tree_mask is not None for item in items):
-            meta = AttentionMetadata.build_tree(query_lens, seq_lens, tables, self.block_size, self.device,
-                                                [item.tree_mask for item in items], self.model.sliding_window,
-                                                kernel=self.fused_ops)
-        else:
-            meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, self.use_flash,
-                                           self.model.sliding_window, kernel=self.fused_ops)
+        meta = self.attention.build(self._layout(items), self.model.sliding_window)
         input_ids = torch.tensor(np.concatenate([item.token_ids for item in items]), dtype=torch.long, device=self.device)
         positions = torch.from_numpy(np.concatenate([item.positions() for item in items])).to(self.device)
         extra = {} if features is None else {"features": features}
@@ -97,6 +91,14 @@ class ModelRunner:
         if self.features is not None:
             self.features.index_copy_(0, meta.slot_mapping, self.model.features(hidden))
         return self._logits(items, hidden, return_hidden)
+
+    @staticmethod
+    def _layout(items: list[ForwardItem]) -> PassLayout:
+        query_lens = [len(item.token_ids) for item in items]
+        trees = [item.tree_mask for item in items]
+        return PassLayout(query_lens, [item.start_pos + n for item, n in zip(items, query_lens)],
+                          [item.block_table for item in items],
+                          trees if any(tree is not None for tree in trees) else None)
 
     def _grid_forward(self, items: list[ForwardItem], return_hidden: bool):
         hidden, slots = self.decode_grid.run(items)   # every fed token's row

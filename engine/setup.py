@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import FLASH_BLOCK_SIZE, flash_available
+from engine.attention import FLASH_BLOCK_SIZE
+from engine.attention_backends import choose_backend, uses_flash
 from engine.cpu_kernels import fused_ops_usable
 from engine.config import DraftConfig, EngineConfig, SpeculativeConfig
 from engine.kv_cache import BlockPool
@@ -230,8 +231,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         resolve_dtype(config.dtype, hf_config, device, config.quantization, config.model)
     draft_dtype = _DTYPES[spec.draft.dtype] if spec.draft.dtype else dtype
     # Each runner decides from its own dtype: flash-attn has no fp32 kernels.
-    target_flash = flash_available(device) and dtype != torch.float32
-    draft_flash = flash_available(device) and draft_dtype != torch.float32 and "draft" in spec.proposers
+    target_flash = uses_flash(config.attention_backend, device, dtype)
+    draft_flash = "draft" in spec.proposers and uses_flash(config.attention_backend, device, draft_dtype)
     block_size = config.block_size or (FLASH_BLOCK_SIZE if target_flash or draft_flash else 16)
     if (target_flash or draft_flash) and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_SIZE} with flash-attn, got {block_size}")
@@ -248,15 +249,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         requantize = _draft_requantization(spec.draft, device)
         draft_model = _prepared(load_model(spec.draft.model, draft_dtype, device, quantization == "gguf",
                                            draft_output_tokens(spec.draft, draft_config), requantize,
-                                           random_weights=dummy), draft_dtype, device, quantization)
+                                           random_weights=dummy), draft_dtype, device, quantization,
+                                config.cpu_kernels)
     if "eagle" in spec.proposers:   # the head shares the target's embeddings and LM head: the target's dtype
         # Before the target is packed: a draft vocabulary copies rows of its LM head.
-        head = _prepared(load_eagle_head(spec.draft.head, target_model, dtype, device), dtype, device, quantization)
+        head = _prepared(load_eagle_head(spec.draft.head, target_model, dtype, device), dtype, device, quantization,
+                         config.cpu_kernels)
     verify_rows = 1 + max(spec.gamma, spec.tree_nodes)   # one request's largest pass: its last token and drafts
     if tp is None:   # a shard keeps plain linears: the parallel ones communicate, packed ones would not
         # One request's verification pass computes each row as a decode step would: greedy speculation
         # at one stream gives plain decoding's tokens.
-        target_model = _prepared(target_model, dtype, device, quantization, max(BLOCKED_ROWS, verify_rows))
+        target_model = _prepared(target_model, dtype, device, quantization, config.cpu_kernels,
+                                 max(BLOCKED_ROWS, verify_rows))
 
     bytes_per_block = ModelRunner.kv_bytes_per_block(shard_config(hf_config, config.tensor_parallel_size),
                                                      block_size, dtype)
@@ -272,13 +276,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
 
     pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
+    # One attention backend per runner, chosen here for its model and dtype (engine/attention_backends.py).
+    attention = lambda model, model_dtype: choose_backend(config.attention_backend, model, block_size, device,
+                                                          model_dtype)
     target = (ParallelRunner if tp else ModelRunner)(target_model, num_blocks, block_size, dtype, device,
-                                                     target_flash, keep_features=head is not None)
+                                                     attention(target_model, dtype), keep_features=head is not None)
     if tp:
         finish_setup(target, workers, num_blocks, block_size)
     built = ProposerInputs(spec, hf_config.vocab_size, target, {
-        "draft": lambda: ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device, draft_flash),
-        "eagle": lambda: ModelRunner(head, num_blocks, block_size, dtype, device, target_flash)})
+        "draft": lambda: ModelRunner(draft_model, num_blocks, block_size, draft_dtype, device,
+                                     attention(draft_model, draft_dtype)),
+        "eagle": lambda: ModelRunner(head, num_blocks, block_size, dtype, device, attention(head, dtype))})
     proposers = {name: build(built) for name, build in PROPOSER_BUILDERS.items() if name in spec.proposers
                  or (name == "grammar" and spec.gamma)}
     grids = {target: verify_rows}
@@ -295,9 +303,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if spec.gamma:
         models = [p for name, p in proposers.items() if name in MODEL_PROPOSERS]
         _calibrate(costs, target, models, pool, min(config.max_num_seqs, CALIBRATION_MAX_BATCH), spec.gamma)
-    logger.info("engine ready: model=%s dtype=%s quantization=%s fused_cpu_ops=%s device=%s tensor_parallel=%d "
-                "kv_blocks=%d x %d tokens, max_model_len=%d, sliding_window=%s, speculative=%s gamma=%d", config.model,
-                str(dtype).replace("torch.", ""), quantization, "on" if target.fused_ops else "off", device,
+    logger.info("engine ready: model=%s dtype=%s quantization=%s fused_cpu_ops=%s attention=%s device=%s "
+                "tensor_parallel=%d kv_blocks=%d x %d tokens, max_model_len=%d, sliding_window=%s, speculative=%s "
+                "gamma=%d", config.model, str(dtype).replace("torch.", ""), quantization,
+                "on" if target.fused_ops else "off", target.attention.name, device,
                 config.tensor_parallel_size,
                 num_blocks, block_size, max_model_len, target_model.sliding_window, spec.method, spec.gamma)
     return EngineParts(device, dtype, target, router, policy, costs, pool, max_model_len, hf_config.vocab_size,
@@ -310,21 +319,22 @@ def _decode_grids(config: EngineConfig, device: torch.device, query_lens: dict, 
     if config.cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {device}")
     for runner, max_query_len in query_lens.items():
-        if config.cuda_graphs or runner.use_flash:
+        if config.cuda_graphs or runner.attention.decode_on_grid:
             runner.enable_decode_grid(config.max_num_seqs, max_query_len, max_blocks, pad=config.cuda_graphs,
                                       capture=config.cuda_graphs)
 
 
-def _prepared(model, dtype: torch.dtype, device: torch.device, quantization: str, exact_rows: int = BLOCKED_ROWS):
+def _prepared(model, dtype: torch.dtype, device: torch.device, quantization: str, cpu_kernels: bool,
+              exact_rows: int = BLOCKED_ROWS):
     """The model in its serving form on CPU: linears weight-only bf16 / int8 when asked, else
     oneDNN-packed (both make small-batch matmuls, i.e. verification, cheaper than torch's default);
-    in fp32, the layers' small ops fused (engine/cpu_kernels.py). exact_rows: bf16 passes of fewer
-    rows keep row-independent results (streamed_linear.StreamedLinear)."""
+    in fp32 with cpu_kernels, the layers' small ops fused (engine/cpu_kernels.py). exact_rows: bf16
+    passes of fewer rows keep row-independent results (streamed_linear.StreamedLinear)."""
     if quantization != "none":   # with gguf: the linears left dense (types without a kernel) as bf16
         stream_linears(model, "bf16" if quantization == "gguf" else quantization, exact_rows)
     if packed_linear_available(device, dtype):   # every linear left (all of them without quantization)
         pack_linears(model)
-    if fused_ops_usable(device, dtype):
+    if fused_ops_usable(device, dtype, cpu_kernels):
         use_fused_cpu_ops(model)
     return model
 

@@ -237,15 +237,16 @@ def start_group(config, device: torch.device) -> tuple[TensorParallel, WorkerSet
 
 def finish_setup(runner: ParallelRunner, workers: WorkerSet, num_blocks: int, block_size: int) -> None:
     """Give the workers the KV cache's size (they build their runners on it, once their shards are
-    loaded: no timeout) and stop them at exit."""
+    loaded: no timeout; each chooses its attention backend from the same config, model and dtype as
+    rank 0) and stop them at exit."""
     runner.attach(workers)
-    workers.channel.send(SIZES, np.asarray([num_blocks, block_size, int(runner.use_flash)], dtype=np.int64),
-                         IDLE_TIMEOUT)
+    workers.channel.send(SIZES, np.asarray([num_blocks, block_size], dtype=np.int64), IDLE_TIMEOUT)
     atexit.register(workers.stop)
 
 
 def worker_main(rank: int, world_size: int, init_method: str, config, parent_pid: int | None = None) -> None:
     """Ranks 1..N-1: load this rank's shard, then serve rank 0's passes until it stops."""
+    from engine.attention_backends import choose_backend
     from engine.models.loader import load_hf_config, load_model
     from engine.setup import resolve_device, tensor_parallel_dtype
 
@@ -258,8 +259,9 @@ def worker_main(rank: int, world_size: int, init_method: str, config, parent_pid
     kind, sizes = channel.receive()
     if kind == STOP:
         return
-    num_blocks, block_size, use_flash = sizes.tolist()
-    serve(ModelRunner(model, num_blocks, block_size, dtype, device, bool(use_flash)), channel)
+    num_blocks, block_size = sizes.tolist()
+    attention = choose_backend(config.attention_backend, model, block_size, device, dtype)
+    serve(ModelRunner(model, num_blocks, block_size, dtype, device, attention), channel)
     dist.destroy_process_group()
 
 

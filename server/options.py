@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, nest_flat_keys, speculative_fields
+from engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, QUANTIZATIONS, nest_flat_keys, speculative_fields
 from engine.sampling_params import SamplingParams
 
 ENV_PREFIX = "SPECSERVE_"
@@ -250,6 +250,22 @@ OPTIONS: tuple[Option, ...] = (
                "configs' shapes (norm weights 1, biases 0, the rest N(0, 0.02)), read from nothing but `config.json` "
                "(or a GGUF's header): a shape's costs without its weights, as `bench/gpu_scale.py` measures an "
                "8B-shaped target. Its output is noise"),
+    Option("attention_backend", _parse_str, "who computes attention: kernel (the C++ CPU kernel for decode and "
+           "verification rows, torch for prefill chunks), torch (the reference, any device), flash (flash-attn; "
+           "CUDA, float16 / bfloat16) or auto (flash where it serves, else kernel where the fused CPU ops run, "
+           "else torch; default)", choices=ATTENTION_BACKENDS,
+           default="`auto`",
+           doc="who computes attention, chosen once per model at start-up: `kernel` (the C++ CPU kernel of "
+               "`cpu_kernels` for decode and verification rows; prefill chunks and soft-capped layers on torch), "
+               "`torch` (the torch SDPA reference, on any device), `flash` (flash-attn: a CUDA device and float16 "
+               "or bfloat16), or `auto`: `flash` where it can serve the model, else `kernel` where the model runs "
+               "on the fused CPU ops, else `torch`. An explicit `kernel` or `flash` that cannot serve is an error"),
+    Option("cpu_kernels", _parse_bool, "fuse a layer's small ops (add + RMSNorm, silu * up, RoPE + cache write + "
+           "attention) in C++ on a CPU in float32 (default true; false keeps torch's ops, for debugging)", "BOOL",
+           default="`true`",
+           doc="run a layer's small ops through the fused C++ CPU kernels (add + RMSNorm, silu * up, and the "
+               "attention kernel) where the model computes in float32 on a CPU with AVX2; `false` keeps torch's "
+               "ops everywhere (for debugging; the quantized linears still follow `quantization`)"),
     Option("seed", _parse_int, "engine seed for requests that give none (default 0)", "N",
            default="`0`",
            doc="seeds the random generators of sampled requests that give no seed (each request gets its own, drawn "

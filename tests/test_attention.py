@@ -1,7 +1,7 @@
-"""The attention paths: the per-sequence ("sequences") torch path and, for decode-shaped fp32 passes, the
-C++ kernel (engine/csrc/decode_ops.cpp) equal the padded-gather reference, and all equal a dense float64
-attention, for mixed batches of decode rows, verification rows and prefill chunks over consecutive,
-scattered and partly consecutive block tables, with GQA and windows."""
+"""The attention backends: the torch reference's grouped sequences ("sequences") and, for decode-shaped
+fp32 passes, the C++ kernel (engine/csrc/decode_ops.cpp) equal the padded-gather reference, and all equal
+a dense float64 attention, for mixed batches of decode rows, verification rows and prefill chunks over
+consecutive, scattered and partly consecutive block tables, with GQA and windows."""
 from __future__ import annotations
 
 import math
@@ -11,13 +11,19 @@ import pytest
 import torch
 
 import engine.attention as attention
-import engine.attention_metadata as attention_metadata
 from engine import cpu_kernels
-from engine.attention import AttentionMetadata, paged_attention, rope_paged_attention
-from engine.attention_metadata import SEQUENCE_MAX_QUERY
+from engine.attention import paged_attention, rope_paged_attention
+from engine.attention_backends import (DecodeMetadata, FlashBackend, FlashDecodeMetadata, KernelBackend,
+                                       KernelMetadata, MixedMetadata, TorchBackend, TorchMetadata, choose_backend)
+from engine.attention_metadata import SEQUENCE_MAX_QUERY, PassLayout
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
+# The backends the tests compare: the torch reference padded, grouped, and as it picks for a CPU; the kernel.
+BACKENDS = {"padded": TorchBackend(BLOCK_SIZE, CPU, group_sequences=False),
+            "sequences": TorchBackend(BLOCK_SIZE, CPU, group_sequences=True),
+            "torch": TorchBackend(BLOCK_SIZE, CPU),
+            "kernel": KernelBackend(BLOCK_SIZE, CPU)}
 NUM_BLOCKS = 512
 HEAD_DIM = 32
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -68,6 +74,11 @@ def dense_attention(query, cache, q_lens, seq_lens, tables, scale, window=None, 
     return torch.cat(out)
 
 
+def build(backend: str, q_lens, seq_lens, tables, window=None, trees=None):
+    """One pass's metadata as BACKENDS[backend] builds it."""
+    return BACKENDS[backend].build(PassLayout(list(q_lens), list(seq_lens), list(tables), trees), window)
+
+
 def run_paths(q_lens, seq_lens, layouts, num_heads=9, num_kv_heads=3, dtype=torch.float32, window=None, seed=0):
     """Attention output of each torch path and of dense_attention for one pass, written cache included."""
     rng = np.random.default_rng(seed)
@@ -81,8 +92,7 @@ def run_paths(q_lens, seq_lens, layouts, num_heads=9, num_kv_heads=3, dtype=torc
     scale = HEAD_DIM ** -0.5
     outs = {}
     for path in ("padded", "sequences"):
-        attention_metadata.TORCH_ATTENTION = path
-        meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window)
+        meta = build(path, q_lens, seq_lens, tables, window)
         layer_cache = cache.clone()
         outs[path] = paged_attention(query, key, value, layer_cache, meta, scale, window).float()
     if dtype == torch.float32 and max(q_lens) <= SEQUENCE_MAX_QUERY and cpu_kernels.unavailable_reason() is None:
@@ -95,9 +105,8 @@ def run_paths(q_lens, seq_lens, layouts, num_heads=9, num_kv_heads=3, dtype=torc
 def kernel_attention(query, key, value, cache, q_lens, seq_lens, tables, scale, window, expected_cache):
     """The C++ kernel on the same pass, with RoPE the identity (cos 1, sin 0: the paths above take
     rotated queries and keys); it must leave the cache as paged_attention did."""
-    attention_metadata.TORCH_ATTENTION = "auto"
-    meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window, kernel=True)
-    assert meta.kernel and meta.plan is None and meta.windowed is None
+    meta = build("kernel", q_lens, seq_lens, tables, window)
+    assert isinstance(meta, KernelMetadata) and meta.windowed is None
     layer_cache = cache.clone()
     tokens = query.shape[0]
     cos, sin = torch.ones(tokens, 1, HEAD_DIM), torch.zeros(tokens, 1, HEAD_DIM)
@@ -109,12 +118,6 @@ def kernel_attention(query, key, value, cache, q_lens, seq_lens, tables, scale, 
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
                                    reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
-
-
-@pytest.fixture(autouse=True)
-def default_path():
-    yield
-    attention_metadata.TORCH_ATTENTION = "auto"
 
 
 def assert_paths_agree(outs, dtype=torch.float32):
@@ -168,8 +171,7 @@ def test_kernel_rows_do_not_depend_on_the_pass():
     cos, sin = torch.rand(6, 1, HEAD_DIM, generator=g), torch.rand(6, 1, HEAD_DIM, generator=g)
 
     def run(q_lens, seq_lens, rows, layer_cache):
-        meta = AttentionMetadata.build(q_lens, seq_lens, [tables[i] for i in range(len(q_lens))], BLOCK_SIZE, CPU,
-                                       kernel=True)
+        meta = build("kernel", q_lens, seq_lens, [tables[i] for i in range(len(q_lens))])
         return rope_paged_attention(qk[rows], value[rows], cos[rows], sin[rows], layer_cache, meta, 9, 0.125)
 
     written = cache.clone()
@@ -193,7 +195,7 @@ def test_kernel_rows_equal_decode_rows_at_every_position(q_len):
     cos, sin = torch.rand(q_len, 1, HEAD_DIM, generator=g), torch.rand(q_len, 1, HEAD_DIM, generator=g)
 
     def run(seq_len, rows, layer_cache):
-        meta = AttentionMetadata.build([len(rows)], [seq_len], [table], BLOCK_SIZE, CPU, kernel=True)
+        meta = build("kernel", [len(rows)], [seq_len], [table])
         return rope_paged_attention(qk[rows], value[rows], cos[rows], sin[rows], layer_cache, meta, 9, 0.125)
 
     for first in range(118, 131):   # the pass's last keys before, across and after a chunk boundary (128)
@@ -221,19 +223,19 @@ def test_kernel_rows_beside_prefill_chunks(window):
 
     def run(seqs, layer_cache):
         rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
-        meta = AttentionMetadata.build([q_lens[i] for i in seqs], [seq_lens[i] for i in seqs],
-                                       [tables[i] for i in seqs], BLOCK_SIZE, CPU, sliding_window=window, kernel=True)
+        meta = build("kernel", [q_lens[i] for i in seqs], [seq_lens[i] for i in seqs], [tables[i] for i in seqs],
+                     window)
         return rows, meta, rope_paged_attention(qk[rows], value[rows], cos[rows], sin[rows], layer_cache, meta, 9,
                                                 HEAD_DIM ** -0.5, window)
 
     written = cache.clone()
     _, meta, out = run(range(len(q_lens)), written)
-    assert meta.kernel_rows
+    assert isinstance(meta, MixedMetadata)
     dense = dense_attention(qk[:, :9], written, q_lens, seq_lens, tables, HEAD_DIM ** -0.5, window).float()
     assert (out - dense).abs().max().item() < TOL[torch.float32]
     short = [i for i, q in enumerate(q_lens) if q <= SEQUENCE_MAX_QUERY]
     rows, alone_meta, alone = run(short, cache.clone())
-    assert alone_meta.kernel and torch.equal(alone, out[rows])
+    assert isinstance(alone_meta, KernelMetadata) and torch.equal(alone, out[rows])
 
 
 @needs_kernels
@@ -250,28 +252,27 @@ def test_kernel_rope_matches_apply_rope():
     cos, sin = rotary(positions)
     qk, value = torch.randn(3, 6, HEAD_DIM), torch.randn(3, 2, HEAD_DIM)
     cache = torch.zeros(2, 4, BLOCK_SIZE, 2, HEAD_DIM)
-    meta = AttentionMetadata.build([3], [3], [[2]], BLOCK_SIZE, CPU, kernel=True)
+    meta = build("kernel", [3], [3], [[2]])
     out = rope_paged_attention(qk, value, cos, sin, cache, meta, 4, 0.5)
     rotated = attention.apply_rope(qk, cos, sin)
     torch.testing.assert_close(cache[0, 2, :3], rotated[:, 4:], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cache[1, 2, :3], value)
     reference = paged_attention(rotated[:, :4], rotated[:, 4:], value, torch.zeros_like(cache),
-                                AttentionMetadata.build([3], [3], [[2]], BLOCK_SIZE, CPU), 0.5)
+                                build("torch", [3], [3], [[2]]), 0.5)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
 def test_kernel_only_for_decode_shaped_rows():
-    """A prefill chunk longer than SEQUENCE_MAX_QUERY keeps the torch paths, and the decode-shaped rows of
-    its pass form a kernel group; TORCH_ATTENTION naming a path turns the kernel off."""
+    """A prefill chunk longer than SEQUENCE_MAX_QUERY keeps the torch reference, and the decode-shaped rows
+    of its pass form a kernel group; the torch backend never uses the kernel."""
     tables = [[0, 1, 2], [3, 4, 5]]
-    assert AttentionMetadata.build([1, 33], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True).kernel
-    long = AttentionMetadata.build([1, 34], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True)
-    assert not long.kernel and long.kernel_rows and [g.kernel for _, g in long.groups] == [True, False]
-    assert not AttentionMetadata.build([34], [40], tables[:1], BLOCK_SIZE, CPU, kernel=True).kernel_rows
-    assert not AttentionMetadata.build([1, 3], [40, 40], tables, BLOCK_SIZE, CPU).kernel
-    attention_metadata.TORCH_ATTENTION = "sequences"
-    assert not AttentionMetadata.build([1, 3], [40, 40], tables, BLOCK_SIZE, CPU, kernel=True).kernel
+    assert isinstance(build("kernel", [1, 33], [40, 40], tables), KernelMetadata)
+    long = build("kernel", [1, 34], [40, 40], tables)
+    assert isinstance(long, MixedMetadata) and [type(g) for _, g in long.groups] == [KernelMetadata, TorchMetadata]
+    assert isinstance(build("kernel", [34], [40], tables[:1]), TorchMetadata)
+    for path in ("padded", "sequences", "torch"):
+        assert isinstance(build(path, [1, 3], [40, 40], tables), TorchMetadata)
 
 
 @pytest.mark.parametrize("layout", ["consecutive", "scattered", "partial", "descending"])
@@ -303,8 +304,7 @@ def test_plan_groups_and_views():
     read in place; prefill chunks go to the padded path."""
     tables = [list(range(100, 120)), [9, 2, 3, 8], [30, 31, 32, 33], [20, 21, 22, 23], [40, 41, 42, 43]]
     q_lens, seq_lens = [1, 1, 33, 5, 34], [300, 40, 60, 50, 64]
-    attention_metadata.TORCH_ATTENTION = "sequences"
-    meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=20)
+    meta = build("sequences", q_lens, seq_lens, tables, 20)
     (short_rows, short), (long_rows, long) = meta.groups
     assert long.plan is None and long.block_ids is not None and long_rows.tolist() == list(range(40, 74))
     groups = short.plan.groups   # by query length, then most keys first
@@ -321,36 +321,53 @@ def test_plan_groups_and_views():
 
 
 def test_each_prefill_chunk_takes_its_own_call():
-    """Prefill chunks are not padded to the longest together (16 prompts arriving at once cost ~16x the
-    longest one's attention): each takes the padded path alone, a whole prompt causal without a mask,
+    """Prefill chunks are not padded to the longest together (many prompts arriving at once would cost many
+    times the longest one's attention): each takes the padded path alone, a whole prompt causal without a mask,
     a chunk after cached keys with its own mask; decode rows keep their plan. Outputs: test_mixed_batch."""
     tables = [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
-    attention_metadata.TORCH_ATTENTION = "sequences"
-    meta = AttentionMetadata.build([40, 70, 1], [40, 90, 20], tables, BLOCK_SIZE, CPU)
+    meta = build("sequences", [40, 70, 1], [40, 90, 20], tables)
     (decode_rows, decode), (fresh_rows, fresh), (chunk_rows, chunk) = meta.groups
     assert decode.plan is not None and decode_rows.tolist() == [110]
     assert fresh.causal and fresh.attn_mask is None and fresh_rows.tolist() == list(range(40))
     assert not chunk.causal and chunk.attn_mask.shape == (1, 1, 70, 90) and chunk_rows.tolist() == list(range(40, 110))
-    alone = AttentionMetadata.build([70], [90], tables[1:2], BLOCK_SIZE, CPU)
+    alone = build("sequences", [70], [90], tables[1:2])
     assert alone.groups is None and alone.attn_mask.shape == (1, 1, 70, 90)
 
 
 def test_close_key_counts_share_a_call():
-    plan = AttentionMetadata.build([1, 1, 1, 5, 5], [200, 100, 40, 90, 80], [[i] * 13 for i in range(5)],
-                                   BLOCK_SIZE, CPU).plan
+    plan = build("torch", [1, 1, 1, 5, 5], [200, 100, 40, 90, 80], [[i] * 13 for i in range(5)]).plan
     assert [g.rows.tolist() for g in plan.groups] == [[0, 1], [2], list(range(3, 13))]
     assert plan.groups[0].visible[1].sum() == 100 and plan.groups[0].num_keys == 200
 
 
-def test_path_switch():
-    attention_metadata.TORCH_ATTENTION = "auto"
-    assert AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU).plan is not None   # CPU default
-    attention_metadata.TORCH_ATTENTION = "padded"
-    meta = AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU)
+def test_torch_grouping_by_device():
+    """The torch reference groups sequences on a CPU (its default there) and pads elsewhere."""
+    assert build("torch", [1], [10], [[0]]).plan is not None   # CPU default
+    meta = build("padded", [1], [10], [[0]])
     assert meta.plan is None and meta.block_ids is not None
-    attention_metadata.TORCH_ATTENTION = "fastest"
-    with pytest.raises(ValueError, match="auto, sequences or padded"):
-        AttentionMetadata.build([1], [10], [[0]], BLOCK_SIZE, CPU)
+    assert not TorchBackend(BLOCK_SIZE, torch.device("cuda")).group_sequences
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, fused_ops: bool):
+        super().__init__()
+        self.fused_ops = fused_ops
+
+
+def test_backend_choice():
+    """attention_backend's values: auto takes the kernel only for a model on the fused ops; torch keeps
+    the reference beside them; an explicit kernel or flash that cannot serve is an error, as is a name
+    that is no backend."""
+    pick = lambda name, fused, dtype=torch.float32: choose_backend(name, _Model(fused), BLOCK_SIZE, CPU, dtype)
+    assert type(pick("auto", True)) is KernelBackend and type(pick("auto", False)) is TorchBackend
+    assert type(pick("kernel", True)) is KernelBackend and type(pick("torch", True)) is TorchBackend
+    assert type(pick("auto", False, torch.bfloat16)) is TorchBackend   # no flash-attn on a CPU
+    with pytest.raises(ValueError, match="needs the fused CPU ops"):
+        pick("kernel", False)
+    with pytest.raises(ValueError, match="flash needs flash-attn"):
+        pick("flash", False, torch.bfloat16)
+    with pytest.raises(ValueError, match="auto, kernel, torch, flash"):
+        pick("fastest", False)
 
 
 # ---------------------------------------------------------------- soft-capping and sinks
@@ -362,7 +379,7 @@ def test_sinks_against_a_naive_reference():
     cache = torch.randn(2, 4, BLOCK_SIZE, 1, HEAD_DIM, generator=g)
     query, key, value = (torch.randn(3, h, HEAD_DIM, generator=g) for h in (2, 1, 1))
     sinks = torch.tensor([0.7, -1.3])
-    meta = AttentionMetadata.build([3], [20], [[2, 0]], BLOCK_SIZE, CPU)
+    meta = build("torch", [3], [20], [[2, 0]])
     out = paged_attention(query, key, value, cache, meta, 0.3, sinks=sinks)
     keys = torch.cat((cache[0, 2], cache[0, 0]))[:20, 0].double()   # [20, D]: positions 0..19
     values = torch.cat((cache[1, 2], cache[1, 0]))[:20, 0].double()
@@ -392,10 +409,8 @@ def extras_paths(q_lens, seq_lens, layouts, softcap, sinks, window, heads=(9, 3)
     cos, sin = torch.ones(tokens, 1, HEAD_DIM), torch.zeros(tokens, 1, HEAD_DIM)   # RoPE the identity
     extras = dict(softcap=softcap, sinks=None if sinks is None else sinks.to(dtype))
     outs = {}
-    for path in ("padded", "sequences", "auto"):   # auto with kernel=True: the kernel's metadata, not its call
-        attention_metadata.TORCH_ATTENTION = path
-        meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=window,
-                                       kernel=path == "auto")
+    for path in ("padded", "sequences", "kernel"):   # kernel: the kernel's metadata, its reference attending
+        meta = build(path, q_lens, seq_lens, tables, window)
         layer_cache = cache.to(dtype)
         outs[path] = rope_paged_attention(qk.to(dtype), value.to(dtype), cos.to(dtype), sin.to(dtype), layer_cache,
                                           meta, num_heads, scale, window, **extras).float()
@@ -407,17 +422,17 @@ def extras_paths(q_lens, seq_lens, layouts, softcap, sinks, window, heads=(9, 3)
 @pytest.mark.parametrize("softcap, sinks", [(1.5, None), (None, True), (2.0, True)], ids=["softcap", "sinks", "both"])
 @pytest.mark.parametrize("window", [None, 24])
 def test_softcap_and_sinks_on_every_path(softcap, sinks, window):
-    """Mixed passes (decode, verification rows and prefill chunks): the padded and "sequences" paths and a
-    pass whose metadata was built for the C++ kernel (its layers with extras take the torch variant) all
-    equal the dense reference."""
+    """Mixed passes (decode, verification rows and prefill chunks): the padded and "sequences" forms and a
+    pass whose metadata was built for the C++ kernel (its layers with extras take the torch reference)
+    all equal the dense reference."""
     q_lens, seq_lens, layouts = (list(x) for x in zip(*MIXED))
     outs = extras_paths(q_lens, seq_lens, layouts, softcap, sinks, window, seed=7)
-    for path in ("padded", "sequences", "auto"):
+    for path in ("padded", "sequences", "kernel"):
         err = (outs[path] - outs["dense"]).abs().max().item()
         assert err < TOL[torch.float32], f"{path} vs dense: max abs error {err:.3g}"
     short = [row for row in MIXED if row[0] <= SEQUENCE_MAX_QUERY]   # a kernel pass, no prefill chunk
     outs = extras_paths(*(list(x) for x in zip(*short)), softcap, sinks, window, heads=(8, 1), seed=8)
-    assert (outs["auto"] - outs["dense"]).abs().max().item() < TOL[torch.float32]
+    assert (outs["kernel"] - outs["dense"]).abs().max().item() < TOL[torch.float32]
 
 
 def test_softcap_and_sinks_in_bfloat16():
@@ -428,45 +443,44 @@ def test_softcap_and_sinks_in_bfloat16():
 
 
 def test_extras_on_kernel_and_tree_metadata():
-    """A kernel pass keeps its kernel marking (other layers use it) and builds its torch variant once per
-    window; a draft-tree pass built for the kernel gets its trees back from the rows' bits."""
+    """A kernel pass stays a kernel pass (other layers use it) and builds its torch reference once per
+    window; a draft-tree pass built for the kernel attends through its reference with the same trees."""
     tables = [[0, 1, 2], [3, 4, 5]]
-    meta = AttentionMetadata.build([1, 3], [40, 30], tables, BLOCK_SIZE, CPU, kernel=True)
-    assert meta.kernel
-    variant = meta.torch_variant(BLOCK_SIZE, None)
-    assert not variant.kernel and variant.plan is not None and meta.torch_variant(BLOCK_SIZE, None) is variant
-    assert meta.torch_variant(BLOCK_SIZE, 8).windowed is not None
+    meta = build("kernel", [1, 3], [40, 30], tables)
+    assert isinstance(meta, KernelMetadata)
+    reference = meta.reference(None)
+    assert isinstance(reference, TorchMetadata) and reference.plan is not None and meta.reference(None) is reference
+    assert meta.reference(8).windowed is not None
     tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)   # two branches
     g = torch.Generator().manual_seed(4)
     qk, value = torch.randn(5, 6, HEAD_DIM, generator=g), torch.randn(5, 2, HEAD_DIM, generator=g)
     cos, sin = torch.ones(5, 1, HEAD_DIM), torch.zeros(5, 1, HEAD_DIM)
     cache = torch.randn(2, 8, BLOCK_SIZE, 2, HEAD_DIM, generator=g)
     outs = []
-    for kernel in (True, False):
-        tree_meta = AttentionMetadata.build_tree([1, 4], [20, 30], tables, BLOCK_SIZE, CPU, [None, tree],
-                                                 kernel=kernel)
-        assert tree_meta.kernel == kernel
+    for backend in ("kernel", "torch"):
+        tree_meta = build(backend, [1, 4], [20, 30], tables, trees=[None, tree])
+        assert isinstance(tree_meta, KernelMetadata) == (backend == "kernel")
         outs.append(rope_paged_attention(qk, value, cos, sin, cache.clone(), tree_meta, 4, 0.2, softcap=1.0,
                                          sinks=torch.tensor([0.5, -0.5, 1.0, 0.0])))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
 def test_decode_grid_metadata_with_extras():
-    """A DecodeMetadata (the grid CUDA graphs replay) with soft-capping and sinks equals the same pass's
-    AttentionMetadata on the padded path."""
-    from engine.attention import DecodeMetadata
-
+    """A DecodeMetadata (the grid CUDA graphs replay) with soft-capping and sinks equals the same pass on
+    the padded torch reference; so does flash-attn's grid, whose sinks fall back to the same SDPA."""
     tables, seq_lens, q_len = [[5, 1, 7], [2, 6, 0]], [40, 23], 3
     slots = [tables[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for b, s in enumerate(seq_lens)
              for p in range(s - q_len, s)]
-    grid = DecodeMetadata(torch.tensor(slots), torch.tensor(seq_lens, dtype=torch.int32),
-                          torch.tensor(tables, dtype=torch.int32), torch.tensor(tables).flatten(), q_len, False)
+    grid_args = (torch.tensor(slots), torch.tensor(seq_lens, dtype=torch.int32),
+                 torch.tensor(tables, dtype=torch.int32), torch.tensor(tables).flatten(), q_len)
     g = torch.Generator().manual_seed(6)
     query, key, value = (torch.randn(6, h, HEAD_DIM, generator=g) for h in (4, 2, 2))
     cache = torch.randn(2, 8, BLOCK_SIZE, 2, HEAD_DIM, generator=g)
     extras = dict(softcap=1.0, sinks=torch.tensor([0.5, -0.5, 1.0, 0.0]))
-    attention_metadata.TORCH_ATTENTION = "padded"
-    padded = AttentionMetadata.build([q_len] * 2, seq_lens, tables, BLOCK_SIZE, CPU, sliding_window=16)
+    padded = build("padded", [q_len] * 2, seq_lens, tables, 16)
     expected = paged_attention(query, key, value, cache.clone(), padded, 0.2, 16, **extras)
-    torch.testing.assert_close(paged_attention(query, key, value, cache.clone(), grid, 0.2, 16, **extras), expected,
-                               rtol=1e-5, atol=1e-5)
+    for backend, kind in ((TorchBackend, DecodeMetadata), (FlashBackend, FlashDecodeMetadata)):
+        grid = backend(BLOCK_SIZE, CPU).grid_metadata(*grid_args)
+        assert type(grid) is kind
+        torch.testing.assert_close(paged_attention(query, key, value, cache.clone(), grid, 0.2, 16, **extras),
+                                   expected, rtol=1e-5, atol=1e-5)

@@ -105,12 +105,26 @@ def test_unknown_key_is_an_error_naming_it(models):
     ("model: models/target\nspeculative: {ngram: {maximum: 3}}\n", "speculative.ngram: maximum"),
     ("model: models/target\nspeculative: {ngram: 3}\n", "speculative.ngram must be a mapping"),
     ("model: models/target\nmax_num_seqs: 0\n", "max_num_seqs"),
+    ("model: models/target\nattention_backend: fastest\n", "attention_backend"),
+    ("model: models/target\ncpu_kernels: sometimes\n", "cpu_kernels"),
     ("port: 1\n", "model"),
     ("- model\n", "mapping"),
 ])
 def test_bad_values_name_the_key(models, text, key):
     with pytest.raises(ConfigError, match=key):
         load_config(write_yaml(models / "bad.yaml", text), environ={})
+
+
+def test_attention_backend_and_cpu_kernels_are_options(models):
+    """The attention backend and the fused CPU ops are configuration keys (with their variables and flags);
+    the kernel backend without the fused ops is an error naming both."""
+    config = load_config(None, {"model": "models/target", "attention_backend": "torch"},
+                         environ={"SPECSERVE_CPU_KERNELS": "0"})
+    assert config.engine.attention_backend == "torch" and config.engine.cpu_kernels is False
+    assert load_config(None, {"model": "models/target"}, environ={}).engine.attention_backend == "auto"
+    with pytest.raises(ConfigError, match="attention_backend kernel .* cpu_kernels"):
+        load_config(None, {"model": "models/target", "attention_backend": "kernel"},
+                    environ={"SPECSERVE_CPU_KERNELS": "false"})
 
 
 def test_bad_environment_value_names_the_variable(models):

@@ -53,12 +53,11 @@ def test_bad_inputs_name_the_problem(ops):
                                  torch.zeros(1, 1, dtype=torch.int32), 1, 1.0, 0)
 
 
-def test_usable_only_in_fp32_on_cpu(monkeypatch):
+def test_usable_only_in_fp32_on_cpu():
     assert cpu_kernels.fused_ops_usable(torch.device("cpu"), torch.float32)
     assert not cpu_kernels.fused_ops_usable(torch.device("cpu"), torch.bfloat16)
     assert not cpu_kernels.fused_ops_usable(torch.device("cuda"), torch.float32)
-    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
-    assert not cpu_kernels.fused_ops_usable(torch.device("cpu"), torch.float32)
+    assert not cpu_kernels.fused_ops_usable(torch.device("cpu"), torch.float32, enabled=False)   # cpu_kernels: false
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +66,19 @@ def checkpoint(tmp_path_factory):
                                 num_heads=4, num_kv_heads=2, intermediate_size=128)
 
 
-def _llm(path, fused: bool, monkeypatch, **kwargs):
+def _llm(path, fused: bool, **kwargs):
     from engine import LLM
 
-    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "1" if fused else "0")
-    return LLM(path, dtype="float32", skip_tokenizer_init=True, **kwargs)
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, cpu_kernels=fused, **kwargs)
 
 
-def test_engine_on_fused_ops_matches_torch_ops(checkpoint, monkeypatch):
+def test_engine_on_fused_ops_matches_torch_ops(checkpoint):
     """The same greedy tokens and (nearly) the same logprobs with the fused ops as with torch's, over a
     prefill (torch attention) and decode steps (the kernel), for a batch of unequal prompts."""
-    fused, reference = _llm(checkpoint, True, monkeypatch), _llm(checkpoint, False, monkeypatch)
+    fused, reference = _llm(checkpoint, True), _llm(checkpoint, False)
     model = fused.engine.target.model
     assert fused.engine.target.fused_ops and not reference.engine.target.fused_ops
+    assert fused.engine.target.attention.name == "kernel" and reference.engine.target.attention.name == "torch"
     assert all(m.kernels is not None for m in model.modules() if isinstance(m, (RMSNorm, MLP)))
     prompts = [[5, 6, 7] * k for k in (1, 4, 30)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -89,11 +88,11 @@ def test_engine_on_fused_ops_matches_torch_ops(checkpoint, monkeypatch):
                                    torch.tensor([t.logprob for t in b.logprobs]), rtol=1e-4, atol=1e-4)
 
 
-def test_speculative_greedy_on_fused_ops_equals_plain(checkpoint, monkeypatch):
+def test_speculative_greedy_on_fused_ops_equals_plain(checkpoint):
     """Verification rows go through the kernel too: n-gram speculation decodes what plain decoding does."""
-    plain = _llm(checkpoint, True, monkeypatch)
-    speculative = _llm(checkpoint, True, monkeypatch, speculative={"method": "ngram", "num_speculative_tokens": 4,
-                                                                  "adaptive": False})
+    plain = _llm(checkpoint, True)
+    speculative = _llm(checkpoint, True, speculative={"method": "ngram", "num_speculative_tokens": 4,
+                                                      "adaptive": False})
     prompts = [[9, 10, 11, 12] * 6, [40, 41] * 20]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in speculative.generate(prompts, params)] == \

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams, cpu_kernels
-from engine.attention import AttentionMetadata
+from engine.attention_backends import KernelBackend, KernelMetadata
+from engine.attention_metadata import PassLayout
 from engine.models import load_hf_config, load_model
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gguf import GGUFCheckpoint
@@ -108,7 +109,7 @@ def test_ragged_batch(pair):
 @pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None, reason="no CPU kernels")
 def test_decode_shaped_passes_on_kernel_metadata(pair):
     """Decode and verification passes built for the C++ attention kernel (fused ops): Gemma 3 attends
-    through it; Gemma 2's soft-capped layers take the torch path over the same metadata."""
+    through it; Gemma 2's soft-capped layers take the torch reference over the same pass."""
     name, _, ours, ref = pair
     (table,) = long_tables(1, 12, seed=2)
     kv = long_kv_caches(ours, 12)
@@ -116,14 +117,13 @@ def test_decode_shaped_passes_on_kernel_metadata(pair):
     run_pass(ours, kv, [(tokens, 0, table)])
     for new in ([11], [12, 13, 14]):
         tokens += new
-        meta = AttentionMetadata.build([len(new)], [len(tokens)], [table], 4, CPU, sliding_window=WINDOW,
-                                       kernel=True)
-        assert meta.kernel
+        meta = KernelBackend(4, CPU).build(PassLayout([len(new)], [len(tokens)], [table]), WINDOW)
+        assert isinstance(meta, KernelMetadata)
         with torch.inference_mode():
             logits = ours.compute_logits(ours(torch.tensor(new), torch.arange(len(tokens) - len(new), len(tokens)),
                                               meta, kv))
         assert_close(logits, reference_logits(ref, tokens)[-len(new):])
-        assert bool(meta._torch_variants) == (name == "gemma2")
+        assert bool(meta._references) == (name == "gemma2")
 
 
 def test_bfloat16_scales_the_embedding_in_bfloat16(tmp_path):
@@ -228,6 +228,7 @@ def test_engine_greedy_equals_transformers_generate(engine_pair):
     llm = LLM(str(target), dtype="float32", device="cpu", max_num_batched_tokens=10, block_size=4)
     if cpu_kernels.unavailable_reason() is None:   # fp32 on CPU: the fused ops, Gemma 2 without the attention kernel
         assert llm.engine.target.fused_ops == (name == "gemma3")
+        assert llm.engine.target.attention.name == ("kernel" if name == "gemma3" else "torch")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(target, prompt)

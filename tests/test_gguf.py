@@ -37,11 +37,12 @@ def to_gguf(checkpoint, out, qtype="F32", drop=()):
 
 
 def logits(path, dtype=torch.float32) -> torch.Tensor:
-    from engine.attention import AttentionMetadata
+    from engine.attention_backends import TorchBackend
+    from engine.attention_metadata import PassLayout
 
     model = load_model(str(path), dtype, torch.device("cpu"))
     caches = [torch.zeros(2, 4, 16, model.num_kv_heads, model.head_dim) for _ in range(model.num_layers)]
-    meta = AttentionMetadata.build([len(PROMPT)], [len(PROMPT)], [[0, 1]], 16, torch.device("cpu"))
+    meta = TorchBackend(16, torch.device("cpu")).build(PassLayout([len(PROMPT)], [len(PROMPT)], [[0, 1]]))
     with torch.inference_mode():
         hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), meta, caches)
         return model.compute_logits(hidden)

@@ -1,10 +1,12 @@
-"""CUDA checks (skipped without a GPU): the flash-attn path mirrors the torch reference path,
+"""CUDA checks (skipped without a GPU): the flash-attn backend mirrors the torch reference,
 and the engine on CUDA decodes exactly like the CPU reference (fp32, greedy)."""
 import pytest
 import torch
 from helpers import make_tiny_checkpoint
 
-from engine.attention import FLASH_BLOCK_SIZE, AttentionMetadata, flash_available, paged_attention
+from engine.attention import FLASH_BLOCK_SIZE, flash_available, paged_attention
+from engine.attention_backends import FlashBackend, TorchBackend
+from engine.attention_metadata import PassLayout
 
 pytestmark = pytest.mark.gpu
 
@@ -27,9 +29,9 @@ def _random_pass(device, dtype, block_size):
 def test_flash_path_matches_torch_path(sliding_window):
     cache, query_lens, seq_lens, tables, q, k, v = _random_pass("cuda", torch.bfloat16, FLASH_BLOCK_SIZE)
     outs = []
-    for use_flash in (False, True):
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, FLASH_BLOCK_SIZE, torch.device("cuda"), use_flash,
-                                       sliding_window)
+    for backend in (TorchBackend, FlashBackend):
+        meta = backend(FLASH_BLOCK_SIZE, torch.device("cuda")).build(PassLayout(query_lens, seq_lens, tables),
+                                                                     sliding_window)
         outs.append(paged_attention(q, k, v, cache.clone(), meta, 64 ** -0.5, sliding_window).float())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
@@ -56,8 +58,8 @@ def test_bf16_target_with_fp32_draft_on_cuda(tmp_path):
     spec = {"method": "draft", "draft": {"model": str(path), "dtype": "float32"}, "num_speculative_tokens": 3,
             "adaptive": False}
     llm = LLM(str(path), dtype="bfloat16", device="cuda", speculative=spec)
-    assert not llm.engine.spec.router.proposers["draft"].runner.use_flash
-    assert llm.engine.target.use_flash == flash_available(torch.device("cuda"))
+    assert not isinstance(llm.engine.spec.router.proposers["draft"].runner.attention, FlashBackend)
+    assert isinstance(llm.engine.target.attention, FlashBackend) == flash_available(torch.device("cuda"))
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 12 and out.spec.proposed > 0
 
@@ -129,9 +131,10 @@ def test_flash_decode_rows_match_torch_path(sliding_window):
     cache = _random_pass("cuda", torch.bfloat16, FLASH_BLOCK_SIZE)[0]
     items = [ForwardItem([0] * 5, 295, [3, 1], 5), ForwardItem([0], 16, [0], 1), ForwardItem([0] * 2, 1, [6], 2)]
     outs = []
-    for use_flash in (False, True):
+    for backend in (TorchBackend, FlashBackend):
         grid = DecodeGrid(None, [cache], FLASH_BLOCK_SIZE, scratch_block=7, max_seqs=4, max_query_len=8,
-                          max_blocks=2, device=torch.device("cuda"), use_flash=use_flash)
+                          max_blocks=2, device=torch.device("cuda"),
+                          attention=backend(FLASH_BLOCK_SIZE, torch.device("cuda")))
         rows = grid._fill(items, *grid.shape(items), False)   # a 4 x 8 grid
         meta = grid._inputs(*grid.shape(items), False)[2]
         generator = torch.Generator("cuda").manual_seed(1)

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from engine.attention import AttentionMetadata
+from engine.attention_backends import TorchBackend
+from engine.attention_metadata import PassLayout
 from engine.models import SUPPORTED_ARCHITECTURES, CausalLM, load_hf_config, load_model
 from engine.models.rope import rope_inverse_frequencies
 from helpers import make_tiny_checkpoint, make_tiny_config
@@ -66,9 +67,9 @@ def run_pass(model, kv_caches, items):
     Returns logits of every new token, split per sequence."""
     ids = torch.tensor([t for new, _, _ in items for t in new])
     positions = torch.cat([torch.arange(cached, cached + len(new)) for new, cached, _ in items])
-    meta = AttentionMetadata.build([len(new) for new, _, _ in items], [cached + len(new) for new, cached, _ in items],
-                                   [table for _, _, table in items], BLOCK_SIZE, CPU,
-                                   sliding_window=model.sliding_window)
+    layout = PassLayout([len(new) for new, _, _ in items], [cached + len(new) for new, cached, _ in items],
+                        [table for _, _, table in items])
+    meta = TorchBackend(BLOCK_SIZE, CPU).build(layout, model.sliding_window)
     logits = model.compute_logits(model(ids, positions, meta, kv_caches))
     assert logits.dtype == torch.float32
     return list(logits.split([len(new) for new, _, _ in items]))
@@ -365,7 +366,7 @@ def test_window_ragged_batch(windowed_pair):
 def test_window_metadata_must_match_the_layer():
     """A windowed layer handed metadata built without its window fails loudly instead of attending to all."""
     model = CausalLM(make_tiny_config("mistral", num_layers=1, sliding_window=4)).eval()
-    meta = AttentionMetadata.build([6], [6], [BLOCK_TABLES[0]], BLOCK_SIZE, CPU)
+    meta = TorchBackend(BLOCK_SIZE, CPU).build(PassLayout([6], [6], [BLOCK_TABLES[0]]))
     with pytest.raises(ValueError, match="sliding window 4"), torch.inference_mode():
         model(torch.arange(6), torch.arange(6), meta, new_kv_caches(model))
 

@@ -88,20 +88,21 @@ def test_server_answers_on_phi3(paths):
 
 
 
-def test_partial_rope_on_the_torch_path_and_with_speculation(paths, prompts, monkeypatch):
+def test_partial_rope_on_the_torch_path_and_with_speculation(paths, prompts):
     """Phi-4-mini's shape (3/4 of each head rotated by LongRoPE, the rest passing, served by the
     full-head kernels after the q/k dimensions are reordered at load): transformers' greedy output
-    on the torch attention path too, and n-gram speculation gives plain decoding's output."""
-    from engine import attention_metadata
+    on the padded torch reference too, and n-gram speculation gives plain decoding's output."""
+    from engine.attention_backends import TorchBackend
 
     path = str(paths["partial_longrope"])
     params = SamplingParams(max_tokens=16, temperature=0)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]
-    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "padded")
-    assert [o.token_ids for o in LLM(path, dtype="float32", device="cpu").generate(prompts, params)] == expected
-    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "auto")
+    llm = LLM(path, dtype="float32", device="cpu")
+    llm.engine.target.attention = TorchBackend(llm.engine.target.block_size, llm.engine.target.device,
+                                               group_sequences=False)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
     plain = run_requests(Engine(EngineConfig(model=path, dtype="float32")), prompts, GREEDY)[0]
     tokens, finals = run_requests(Engine(EngineConfig(model=path, dtype="float32", speculative=spec)), prompts, GREEDY)

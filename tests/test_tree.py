@@ -136,22 +136,30 @@ def test_the_chi_square_catches_a_wrong_walk(monkeypatch, broken):
     assert pooled_chisquare(counts, exact) < 1e-3
 
 
+def _attend_on(runner, path: str) -> None:
+    """The runner's attention on `path`: the kernel (what start-up chose here), or the torch reference
+    padded with one mask."""
+    from engine.attention_backends import TorchBackend
+
+    if path != "kernel":
+        runner.attention = TorchBackend(runner.block_size, runner.device, group_sequences=path == "sequences")
+
+
 @pytest.mark.parametrize("arch, path", [("llama", "kernel"), ("llama", "padded"), ("qwen3", "kernel")])
-def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, monkeypatch, arch, path):
+def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, arch, path):
     """Tree attention (ForwardItem.tree_mask; fp32 on this CPU: the attention kernel's tree bits, or the
-    padded torch path's mask): one pass over a branching tree gives every node the logits of a plain
+    padded torch reference's mask): one pass over a branching tree gives every node the logits of a plain
     pass over the context and that node's path, beside a chain in the same pass."""
     from helpers import make_tiny_checkpoint
 
-    from engine import LLM, attention_metadata
+    from engine import LLM
     from engine.model_runner import ForwardItem
 
-    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "auto" if path == "kernel" else path)
-
-    path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=5)
-    runner = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8,
+    checkpoint = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=5)
+    runner = LLM(str(checkpoint), dtype="float32", device="cpu", num_kv_blocks=64, block_size=8,
                  skip_tokenizer_init=True).engine.target
-    assert runner.fused_ops   # fp32 on an AVX2 CPU: the kernel's path where TORCH_ATTENTION is auto
+    assert runner.fused_ops and runner.attention.name == "kernel"   # fp32 on an AVX2 CPU: auto picks the kernel
+    _attend_on(runner, path)
     context, table = list(range(20, 39)), [3, 4, 5, 6]
     runner.forward([ForwardItem(context[:-1], 0, table, 1)])
     tree = DraftTree()
@@ -176,20 +184,20 @@ def test_a_tree_pass_gives_each_node_its_paths_logits(tmp_path, monkeypatch, arc
 
 
 @pytest.mark.parametrize("path", ["kernel", "padded", "grid"])
-def test_a_tree_pass_under_a_sliding_window(tmp_path, monkeypatch, path):
+def test_a_tree_pass_under_a_sliding_window(tmp_path, path):
     """A windowed target (Mistral, window 72) over a 90-token context, so the window cuts it: every
     node of a branching tree, fed at once and beside a chain, gets the logits of a plain pass over the
     context and its path (a node's window starts from its depth's position, not its slot's), on the
     kernel, the padded torch path and the decode grid that CUDA graphs capture (run eagerly here)."""
     from helpers import make_tiny_checkpoint
 
-    from engine import LLM, attention_metadata
+    from engine import LLM
     from engine.model_runner import ForwardItem
 
-    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "padded" if path == "padded" else "auto")
     checkpoint = make_tiny_checkpoint(tmp_path / "m", arch="mistral", seed=12, sliding_window=72)
     runner = LLM(str(checkpoint), dtype="float32", device="cpu", num_kv_blocks=128, block_size=8,
                  skip_tokenizer_init=True).engine.target
+    _attend_on(runner, "padded" if path == "padded" else "kernel")
     if path == "grid":
         runner.enable_decode_grid(max_seqs=4, max_query_len=16, max_blocks=16, pad=True, capture=False)
     context = [(7 * i) % 250 + 3 for i in range(90)]
@@ -217,12 +225,15 @@ def test_a_tree_pass_under_a_sliding_window(tmp_path, monkeypatch, path):
                                rtol=1e-4, atol=1e-4)
 
 
-def test_a_narrow_window_refuses_trees():
-    from engine.attention_metadata import AttentionMetadata
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
+def test_a_narrow_window_refuses_trees(backend):
+    from engine.attention_backends import KernelBackend, TorchBackend
+    from engine.attention_metadata import PassLayout
 
     tree = np.array([[1, 0], [1, 1]], dtype=bool)
+    chosen = {"kernel": KernelBackend, "torch": TorchBackend}[backend](16, torch.device("cpu"))
     with pytest.raises(ValueError, match="sliding window over 64 positions, not 32"):
-        AttentionMetadata.build_tree([2], [40], [[0, 1, 2]], 16, torch.device("cpu"), [tree], sliding_window=32)
+        chosen.build(PassLayout([2], [40], [[0, 1, 2]], [tree]), sliding_window=32)
 
 
 def test_the_accepted_paths_kv_moves_where_the_next_step_reads_it(tmp_path):
@@ -262,18 +273,18 @@ def test_the_accepted_paths_kv_moves_where_the_next_step_reads_it(tmp_path):
 
 
 @pytest.mark.parametrize("path", ["kernel", "padded"])
-def test_a_tree_fed_level_by_level_gives_each_node_its_paths_logits(tmp_path, monkeypatch, path):
+def test_a_tree_fed_level_by_level_gives_each_node_its_paths_logits(tmp_path, path):
     """As a draft model grows a tree: each pass feeds one depth's nodes after the ones fed before, its
     mask over all the tree's positions so far (ForwardItem.tree_mask [fed, cols]); every node gets
     the logits of a plain pass over the context and its path."""
     from helpers import make_tiny_checkpoint
 
-    from engine import LLM, attention_metadata
+    from engine import LLM
     from engine.model_runner import ForwardItem
 
-    monkeypatch.setattr(attention_metadata, "TORCH_ATTENTION", "auto" if path == "kernel" else path)
     runner = LLM(str(make_tiny_checkpoint(tmp_path / "t", arch="llama", seed=8)), dtype="float32", device="cpu",
                  num_kv_blocks=64, block_size=4, skip_tokenizer_init=True).engine.target
+    _attend_on(runner, path)
     context, table = list(range(40, 57)), [3, 4, 5, 6, 7, 8, 9]
     runner.forward([ForwardItem(context, 0, table, 1)])   # the root (the context's last token) computed
     tree = DraftTree()

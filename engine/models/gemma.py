@@ -175,9 +175,9 @@ class GemmaForCausalLM(CausalLM):
 
     @fused_ops.setter
     def fused_ops(self, on: bool) -> None:
-        # llama.use_fused_cpu_ops sets this to have the runner mark decode-shaped passes for the C++
-        # attention kernel. The kernel has no soft-capping: Gemma 2 (every layer soft-capped) keeps the torch
-        # path instead of having its layers rebuild each pass's metadata (AttentionMetadata.torch_variant).
+        # llama.use_fused_cpu_ops sets this to have the runner attend with the C++ kernel's backend. The
+        # kernel has no soft-capping: Gemma 2 (every layer soft-capped) keeps the torch reference instead of
+        # having its layers build each pass's reference metadata (PassMetadata.reference).
         # Gemma 3 uses the kernel: q/k norms come before it, and its RoPE tables are per layer anyway.
         self._fused_ops = bool(on) and self.attn_softcap is None
 

@@ -383,7 +383,7 @@ def check_feature_layers(layers, num_layers: int) -> tuple[int, ...]:
 def use_fused_cpu_ops(model: nn.Module) -> None:
     """Run the model's norms, MLP activations and decode-shaped attention through the fused CPU ops
     (engine/cpu_kernels.py; fp32 on CPU, where cpu_kernels.fused_ops_usable says so). The model's
-    runner reads `fused_ops` and marks decode and verification passes for the attention kernel."""
+    runner reads `fused_ops` and attends with the kernel's backend (attention_backends.KernelBackend)."""
     from engine import cpu_kernels
 
     kernels = cpu_kernels.extension()
