@@ -54,7 +54,7 @@ class OracleProposer:
     continuation, the token at each output position corrupted with probability 1 - alpha (alpha may
     change between steps). Whether a position is corrupted comes from one fixed uniform draw per
     (prompt, position), so every configuration of a cell faces the same corruptions."""
-    method = "draft"
+    name = "draft"
 
     def __init__(self, draft, continuations: dict[tuple, list[int]], vocab: int, alpha: float, seed: int = 0):
         self.draft, self.continuations, self.vocab, self.alpha = draft, continuations, vocab, alpha

@@ -56,7 +56,7 @@ class OracleCopy:
     per (prompt, position) falls below alpha, else off by one; a tree adds a second candidate beside
     each chain node, right where the first is wrong and a second draw falls below beta. The draws are
     fixed, so chains and trees of one cell face the same corruptions."""
-    method = "ngram"
+    name = "ngram"
 
     def __init__(self, continuations: dict[tuple, list[int]], vocab: int, beta: float = 0.5, seed: int = 0):
         self.continuations, self.vocab, self.alpha, self.beta = continuations, vocab, 0.0, beta

@@ -68,16 +68,16 @@ class NoDepthCut(GoodputPolicy):
         if not choices:
             return {}, 0.0
         by_id = {c.request_id: c for c in view.candidates}
-        ks = {rid: (c.method, c.k) for rid, c in choices.items()}
+        ks = {rid: (c.proposer, c.k) for rid, c in choices.items()}
         drafted = {rid: expected_tokens(*c.rates, c.k) for rid, c in choices.items()}
-        rebate = sum(self._catch_up_rebate(by_id[rid], c.method, drafted[rid]) for rid, c in choices.items())
+        rebate = sum(self._catch_up_rebate(by_id[rid], c.proposer, drafted[rid]) for rid, c in choices.items())
         return ks, (len(view.candidates) + sum(drafted.values())) / (plan_time(self.costs, view, ks) - rebate - sunk)
 
 
 class CatchUpWhole(GoodputPolicy):
     """A draft model's catch-up is charged whole to the step that pays it, not spread over the request."""
-    def _catch_up_share(self, c, method, tokens):
-        return self._catch_up(c, method)
+    def _catch_up_share(self, c, proposer, tokens):
+        return self._catch_up(c, proposer)
 
 
 class PromptsCounted(GoodputPolicy):
@@ -88,11 +88,11 @@ class PromptsCounted(GoodputPolicy):
 
 class NoPooling(GoodputPolicy):
     """A request's rates stand alone: no shrinking toward the engine-wide rates (PRIOR_WEIGHT, POOL_FORGET)."""
-    def acceptance(self, rid, method):
-        return self._own(rid, method).mean()
+    def acceptance(self, rid, proposer):
+        return self._own(rid, proposer).mean()
 
-    def optimistic(self, rid, method):
-        rates = self._own(rid, method)
+    def optimistic(self, rid, proposer):
+        rates = self._own(rid, proposer)
         return rates.first.upper(), rates.mean()[1]
 
 
@@ -121,13 +121,13 @@ class _RatesVariant(GoodputPolicy):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pool = {m: self.make_rates(POOL_FORGET) for m in self.methods}
+        self.pool = {m: self.make_rates(POOL_FORGET) for m in self.proposers}
 
-    def _own(self, rid, method):
+    def _own(self, rid, proposer):
         rates = self.rates.setdefault(rid, {})
-        if method not in rates:
-            rates[method] = self.make_rates(FORGET)
-        return rates[method]
+        if proposer not in rates:
+            rates[proposer] = self.make_rates(FORGET)
+        return rates[proposer]
 
 
 class OneRate(_RatesVariant):
@@ -176,7 +176,7 @@ def engine_for(config, concurrency: int, variant: str | None) -> LLM:
               **({"speculative": config.speculative} if variant else {}))
     spec = llm.engine.spec
     if variant in POLICY_VARIANTS:
-        spec.policy = POLICY_VARIANTS[variant](spec.policy.methods, spec.costs, spec.policy.fixed_p_min)
+        spec.policy = POLICY_VARIANTS[variant](spec.policy.proposers, spec.costs, spec.policy.fixed_p_min)
     elif variant == "no-cost-feedback":   # the tables stay as measured at start-up
         spec.costs.observe = lambda timing: None
     llm.generate([chat_ids(llm.tokenizer, [{"role": "user", "content": "Hello!"}])],

@@ -268,7 +268,7 @@ class Tally:
         self.mask_s += getattr(stats, "mask_time_s", 0.0)
         self.masked_rows += getattr(stats, "num_masked_rows", 0)
         self.compile_s += sum(getattr(stats, "grammar_compile_s", ()))
-        for proposer, proposed, accepted in stats.drafts_by_method:
+        for proposer, proposed, accepted in stats.drafts_by_proposer:
             counts = self.proposers.setdefault(proposer, [0, 0])
             counts[0] += proposed
             counts[1] += accepted

@@ -24,7 +24,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.setup import EngineParts, build_engine_parts
 from engine.spec_decode.decoder import SpecDecoder, StepResult, tree_nodes
 from engine.spec_decode.policy import StepPlan
-from engine.step_stats import method_of, step_stats
+from engine.step_stats import proposer_of, step_stats
 from engine.structured import GrammarCompiler, GrammarQueue
 
 __all__ = ["ContextLengthError", "Engine", "EngineDeadError", "EngineStatus"]
@@ -203,7 +203,7 @@ class Engine:
                 continue
             new_tokens, emitted_drafts[i] = apply_pass(
                 request, item, verification.token_ids[i], verification.logprobs[i], len(drafts[i]),
-                verification.num_accepted[i], method_of(plan, item), self.max_model_len)
+                verification.num_accepted[i], proposer_of(plan, item), self.max_model_len)
             self.spec.on_verified(request)   # rollback past the first rejection: the proposers' cursors
             if request.is_finished:
                 self._finish_request(request, request.finish_reason)

@@ -81,7 +81,7 @@ class StepStats:
     finished_reasons: tuple[str, ...] = ()   # finish reasons of requests that ended this step
     pure_decode: bool = False         # every scheduled request ran a decode / verify pass (no prefill work)
     chosen_k: tuple[int, ...] = ()    # per decode pass: the drafts it verified (0: plain decoding)
-    drafts_by_method: tuple[tuple[str, int, int], ...] = ()   # (proposer, proposed, accepted) this step
+    drafts_by_proposer: tuple[tuple[str, int, int], ...] = ()   # (proposer, proposed, accepted) this step
     predicted_time_s: float | None = None    # the cost tables' price of the plan's draft + verify time
     mask_time_s: float = 0.0          # structured outputs: computing grammar masks (their share of draft + verify time)
     num_masked_rows: int = 0          # emitting rows a grammar masked

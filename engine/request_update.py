@@ -24,9 +24,9 @@ def store_prompt_logprobs(request: Request, rows) -> None:
 
 
 def apply_pass(request: Request, item: ScheduledRequest, token_ids: list[int], logprobs, num_drafts: int,
-               num_accepted: int, method: str, max_model_len: int) -> tuple[list[int], int | None]:
+               num_accepted: int, proposer: str, max_model_len: int) -> tuple[list[int], int | None]:
     """A sampling pass's tokens and counters. num_drafts: the drafts it verified (proposed by
-    `method`), num_accepted of them kept. Returns the new tokens and the drafts among them (None for
+    `proposer`), num_accepted of them kept. Returns the new tokens and the drafts among them (None for
     a request's first token, which is no target forward of the decode phase)."""
     request.num_computed_tokens += item.num_new_tokens + num_accepted
     had_output = request.num_output_tokens > 0
@@ -35,8 +35,8 @@ def apply_pass(request: Request, item: ScheduledRequest, token_ids: list[int], l
         request.noise.forget_before(request.num_output_tokens)
     request.num_proposed += num_drafts
     if item.is_decode:
-        method = method if num_drafts else "none"
-        request.passes_by_method[method] = request.passes_by_method.get(method, 0) + 1
+        proposer = proposer if num_drafts else "none"
+        request.passes_by_method[proposer] = request.passes_by_method.get(proposer, 0) + 1
         request.passes_by_k[num_drafts] = request.passes_by_k.get(num_drafts, 0) + 1
     if not had_output:
         return new_tokens, None

@@ -403,7 +403,7 @@ def _calibrate(costs: StepCosts, target: ModelRunner, models: list, pool: BlockP
         for lookahead in sorted({0, 1, max(1, gamma // 2), gamma}):
             costs.target.add(batch, lookahead + 1, target_pass(batch, lookahead))
     for proposer in models:
-        table = costs.draft(proposer.method)
+        table = costs.draft(proposer.name)
         for batch in batches:
             scheduled = requests(batch)
             jobs = [DraftJob(r, 1) for r in scheduled]

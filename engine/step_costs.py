@@ -21,7 +21,7 @@ MAX_JUMP = 2.0    # one pass moves a factor as if it measured at most 2x (or 1/2
 class DraftForward:
     """One sequential forward of a model proposer: its rows (one per drafting request) and the
     tokens it fed beyond them (the first forward catches each request up on tokens it has not seen)."""
-    method: str
+    proposer: str
     rows: int
     catch_up: int
     seconds: float
@@ -129,10 +129,10 @@ class StepCosts:
         self.overhead = 0.0   # seconds of host work a step spends besides its passes (moving average)
         self._overhead_seen = False
 
-    def draft(self, method: str) -> DraftTable:
-        if method not in self.drafts:
-            self.drafts[method] = DraftTable()
-        return self.drafts[method]
+    def draft(self, proposer: str) -> DraftTable:
+        if proposer not in self.drafts:
+            self.drafts[proposer] = DraftTable()
+        return self.drafts[proposer]
 
     def plain_step(self, batch_size: int) -> float | None:
         """A plain decode pass of this batch (the step a speculative step replaces, for the metrics);
@@ -142,20 +142,20 @@ class StepCosts:
     def step_time(self, num_seqs: int, num_tokens: int, forwards: dict[str, list[int]],
                   catch_up: dict[str, int]) -> float:
         """A step that feeds the target num_tokens over num_seqs sequences, after each model
-        proposer's sequential forwards (rows of each; the first also feeds catch_up[method] tokens),
+        proposer's sequential forwards (rows of each; the first also feeds catch_up[proposer] tokens),
         with the step's host overhead."""
         seconds = self.target(num_seqs, num_tokens) + self.overhead
-        for method, rows in forwards.items():
-            table = self.draft(method)
-            seconds += sum(table(r) for r in rows) + table.catch_up(catch_up.get(method, 0))
+        for proposer, rows in forwards.items():
+            table = self.draft(proposer)
+            seconds += sum(table(r) for r in rows) + table.catch_up(catch_up.get(proposer, 0))
         return seconds
 
     def observe(self, timing: PassTiming) -> None:
         """Correct the tables by one step as it ran."""
         self.target.correction.observe(self.target.tabled(timing.num_seqs, timing.num_tokens), timing.target_seconds)
         for forward in timing.forwards:
-            self.draft(forward.method).correction.observe(
-                self.draft(forward.method).tabled(forward.rows, forward.catch_up), forward.seconds)
+            self.draft(forward.proposer).correction.observe(
+                self.draft(forward.proposer).tabled(forward.rows, forward.catch_up), forward.seconds)
         host = timing.step_seconds - timing.target_seconds - sum(f.seconds for f in timing.forwards)
         host = max(host, 0.0)
         self.overhead = host if not self._overhead_seen else self.overhead + SMOOTHING * (host - self.overhead)

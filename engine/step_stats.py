@@ -10,10 +10,10 @@ from engine.step_costs import StepCosts
 from engine.structured import CompileStats
 
 
-def method_of(plan: StepPlan, item: ScheduledRequest) -> str:
+def proposer_of(plan: StepPlan, item: ScheduledRequest) -> str:
     """The proposer that drafted for a scheduled request ("none" when it verifies no drafts)."""
     draft = plan.drafts.get(item.request.request_id)
-    return draft.method if draft is not None and item.num_lookahead else "none"
+    return draft.proposer if draft is not None and item.num_lookahead else "none"
 
 
 def _first_token_prompts(outputs: list[RequestOutput]) -> int:
@@ -37,10 +37,10 @@ def step_stats(batch: SchedulerOutput, plan: StepPlan, result: StepResult, emitt
                 per_position[pos] += 1
     num_forwards = sum(e is not None for e in emitted_drafts)
     pure_decode = all(item.is_decode for item in batch.scheduled)
-    by_method: dict[str, list[int]] = {}
+    by_proposer: dict[str, list[int]] = {}
     for item, drafts, emitted in zip(batch.scheduled, proposal.draft_token_ids, emitted_drafts):
         if drafts:
-            counts = by_method.setdefault(method_of(plan, item), [0, 0])
+            counts = by_proposer.setdefault(proposer_of(plan, item), [0, 0])
             counts[0] += len(drafts)
             counts[1] += emitted or 0
     num_draft_tokens = sum(len(d) for d in proposal.draft_token_ids)
@@ -57,7 +57,7 @@ def step_stats(batch: SchedulerOutput, plan: StepPlan, result: StepResult, emitt
         plain_step_time_s=costs.plain_step(len(batch.scheduled)) if pure_decode else None,
         finished_reasons=tuple(o.finish_reason for o in outputs if o.finished),
         chosen_k=tuple(len(d) for item, d in zip(batch.scheduled, proposal.draft_token_ids) if item.is_decode),
-        drafts_by_method=tuple((m, p, a) for m, (p, a) in sorted(by_method.items())),
+        drafts_by_proposer=tuple((m, p, a) for m, (p, a) in sorted(by_proposer.items())),
         predicted_time_s=plan.predicted_time if pure_decode else None,
         mask_time_s=masks.seconds, num_masked_rows=sum(m.shape[0] for m in masks.rows.values()),
         grammar_compile_s=tuple(compiled.seconds), grammar_cache_hits=compiled.cache_hits,

@@ -329,7 +329,7 @@ class Metrics:
             self._count_positions(stats.accepted_per_position)
         self.accepted_length.observe_many(stats.accepted_lengths)
         self.chosen_k.observe_many(stats.chosen_k)
-        for proposer, proposed, accepted in stats.drafts_by_method:
+        for proposer, proposed, accepted in stats.drafts_by_proposer:
             drafted, taken = self._by_proposer.get(proposer) or self._proposer_children(proposer)
             drafted.inc(proposed)
             taken.inc(accepted)

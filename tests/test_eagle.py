@@ -136,7 +136,7 @@ def test_auto_routes_between_eagle_draft_and_ngram_losslessly(paths, prompts, pl
     spec = {"method": "auto", "draft": {"head": paths["head"], "model": paths["draft"]}, "num_speculative_tokens": 4}
     outputs, engine = run(EngineConfig(model=paths["target"], dtype="float32", speculative=spec), prompts)
     assert outputs == plain_greedy
-    assert engine.spec.router.methods == ["grammar", "draft", "eagle", "ngram", "suffix"]   # grammar: forced tokens
+    assert engine.spec.router.names == ["grammar", "draft", "eagle", "ngram", "suffix"]   # grammar: forced tokens
 
 
 def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(paths, prompts, tmp_path):
@@ -284,7 +284,7 @@ def test_eagle_sampling_matches_the_target_distribution(paths):
         while engine.has_unfinished_requests():
             for out in engine.step():
                 seqs[out.request_id].extend(out.new_token_ids)
-            mixed += {m for m, _, _ in engine.last_stats.drafts_by_method} >= {"eagle", "ngram"}
+            mixed += {m for m, _, _ in engine.last_stats.drafts_by_proposer} >= {"eagle", "ngram"}
         for tokens in seqs.values():
             counts[tuple(tokens[:3])] += 1
     assert mixed > 0 and 0.4 < engine.totals.acceptance_rate < 0.95, engine.totals

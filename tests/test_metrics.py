@@ -39,7 +39,7 @@ def step(**overrides) -> StepStats:
         num_drafts=3, num_draft_tokens=12, num_accepted_tokens=6, num_target_forwards=3,
         accepted_per_position=(3, 2, 1, 0), accepted_lengths=(4, 2, 0),
         draft_time_s=0.004, verify_time_s=0.012, plain_step_time_s=0.010, pure_decode=True,
-        chosen_k=(4, 4, 4), drafts_by_method=(("draft", 12, 6),), predicted_time_s=0.020,
+        chosen_k=(4, 4, 4), drafts_by_proposer=(("draft", 12, 6),), predicted_time_s=0.020,
     )
     fields.update(overrides)
     return StepStats(**fields)
@@ -79,19 +79,19 @@ STEPS = [
     step(num_prompt_tokens=40, num_batched_tokens=40, num_generation_tokens=2, num_drafts=0, pure_decode=False,
          num_draft_tokens=0, num_accepted_tokens=0, num_target_forwards=0, accepted_per_position=(),
          accepted_lengths=(), draft_time_s=0.0, verify_time_s=0.02, batch_size=2, num_running=2,
-         chosen_k=(), drafts_by_method=(), predicted_time_s=None),
+         chosen_k=(), drafts_by_proposer=(), predicted_time_s=None),
     step(),
     step(num_preemptions=1, num_drafts=2, num_draft_tokens=8, num_accepted_tokens=7,
          num_target_forwards=2, accepted_per_position=(2, 2, 2, 1), accepted_lengths=(4, 3),
          num_generation_tokens=9, batch_size=2, num_batched_tokens=10,
-         chosen_k=(4, 4), drafts_by_method=(("draft", 8, 7),), predicted_time_s=0.008),
+         chosen_k=(4, 4), drafts_by_proposer=(("draft", 8, 7),), predicted_time_s=0.008),
     step(num_drafts=1, num_draft_tokens=2, num_accepted_tokens=0, num_target_forwards=3,
          accepted_per_position=(0, 0), accepted_lengths=(0,), num_generation_tokens=3,
-         chosen_k=(2, 0, 0), drafts_by_method=(("draft", 2, 0),), predicted_time_s=None),
+         chosen_k=(2, 0, 0), drafts_by_proposer=(("draft", 2, 0),), predicted_time_s=None),
     step(batch_size=0, num_running=0, num_waiting=0, num_batched_tokens=0, num_generation_tokens=0,
          num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, num_target_forwards=0,
          accepted_per_position=(), accepted_lengths=(), draft_time_s=0.0, verify_time_s=0.0,
-         kv_cache_usage=0.0, chosen_k=(), drafts_by_method=(), predicted_time_s=None),
+         kv_cache_usage=0.0, chosen_k=(), drafts_by_proposer=(), predicted_time_s=None),
 ]
 
 
@@ -163,8 +163,8 @@ def test_per_proposer_counters(fed):
     m = Metrics(MODEL, "auto", proposers=["draft", "ngram"])
     al = spec_labels("auto")
     assert value(m, "spec_decode_num_draft_tokens_by_proposer_total", proposer="ngram", **al) == 0
-    m.observe_step(step(method="auto", drafts_by_method=(("draft", 8, 5), ("ngram", 4, 1)), num_accepted_tokens=6))
-    m.observe_step(step(method="auto", drafts_by_method=(("ngram", 12, 6),)))
+    m.observe_step(step(method="auto", drafts_by_proposer=(("draft", 8, 5), ("ngram", 4, 1)), num_accepted_tokens=6))
+    m.observe_step(step(method="auto", drafts_by_proposer=(("ngram", 12, 6),)))
     drafted = {p: value(m, "spec_decode_num_draft_tokens_by_proposer_total", proposer=p, **al) for p in ("draft", "ngram")}
     accepted = {p: value(m, "spec_decode_num_accepted_tokens_by_proposer_total", proposer=p, **al)
                 for p in ("draft", "ngram")}
@@ -174,7 +174,7 @@ def test_per_proposer_counters(fed):
     # without the list, a proposer's series appears when it first drafts
     lazy = Metrics(MODEL, "auto")
     assert not [k for k in samples(lazy) if "by_proposer" in k[0]]
-    lazy.observe_step(step(method="auto", drafts_by_method=(("ngram", 12, 6),)))
+    lazy.observe_step(step(method="auto", drafts_by_proposer=(("ngram", 12, 6),)))
     assert value(lazy, "spec_decode_num_draft_tokens_by_proposer_total", proposer="ngram", **al) == 12
     assert not [k for k in samples(lazy) if ("proposer", "draft") in k[1]]
 

@@ -30,7 +30,7 @@ class Watched:
     was) and whose proposals must keep to their jobs' offers; counts the drafts and trees it made."""
 
     def __init__(self, proposer):
-        self.proposer, self.method = proposer, proposer.method
+        self.proposer, self.name = proposer, proposer.name
         self.drafted = self.trees = 0
 
     def offer(self, request, limit, max_nodes=0):
@@ -103,6 +103,6 @@ def test_proposers_come_from_one_registry_and_the_router_hides_its_map(tiny_pair
     assert set(PROPOSER_BUILDERS) == {"grammar", *PROPOSERS}
     engine = Engine(EngineConfig(model=str(tiny_pair[0]), dtype="float32",
                                  speculative={"method": "auto", "proposers": ["ngram", "suffix"]}))
-    assert engine.spec.router.methods == ["grammar", "ngram", "suffix"]   # the registry's order
+    assert engine.spec.router.names == ["grammar", "ngram", "suffix"]   # the registry's order
     with pytest.raises(TypeError):
         engine.spec.router.proposers["ngram"] = NgramProposer(1, 2)

@@ -49,11 +49,11 @@ class Simulation:
 
     def step(self, alpha: float) -> dict[str, tuple[str, int]]:
         plan = self.policy.plan(self.view())
-        verified = tuple(Verified(rid, d.method, d.k, accepted_count(self.rng, alpha, d.k))
+        verified = tuple(Verified(rid, d.proposer, d.k, accepted_count(self.rng, alpha, d.k))
                          for rid, d in plan.drafts.items() if d.k)
         self.policy.observe(plan, StepOutcome(verified, None))
         self.step_index += 1
-        return {rid: (d.method, d.k) for rid, d in plan.drafts.items()}
+        return {rid: (d.proposer, d.k) for rid, d in plan.drafts.items()}
 
     def mean_k(self, alpha: float, steps: int) -> float:
         total = sum(k for _ in range(steps) for _, k in self.step(alpha).values())
@@ -89,7 +89,7 @@ def test_no_drafts_at_low_acceptance(seed):
     steps, planned, net = 1000, 0, 0.0
     for _ in range(steps):
         plan = policy.plan(sim.view())
-        verified = tuple(Verified(rid, d.method, d.k, accepted_count(sim.rng, 0.05, d.k))
+        verified = tuple(Verified(rid, d.proposer, d.k, accepted_count(sim.rng, 0.05, d.k))
                          for rid, d in plan.drafts.items())
         policy.observe(plan, StepOutcome(verified, None))
         planned += sum(d.k for d in plan.drafts.values() if not d.probe)
@@ -187,8 +187,8 @@ def test_static_policy_drafts_gamma_from_the_first_usable_proposer():
                      Candidate("b", {"draft": 0, "ngram": 2}, {}), Candidate("c", {"draft": 0, "ngram": 0}, {})))
     plan = policy.plan(view)
     drafts = plan.drafts
-    assert (drafts["a"].method, drafts["a"].k, drafts["a"].p_min) == ("draft", 3, 0.2)
-    assert (drafts["b"].method, drafts["b"].k) == ("ngram", 2) and "c" not in drafts
+    assert (drafts["a"].proposer, drafts["a"].k, drafts["a"].p_min) == ("draft", 3, 0.2)
+    assert (drafts["b"].proposer, drafts["b"].k) == ("ngram", 2) and "c" not in drafts
     # priced like any plan, so the metrics compare its predicted and measured time
     assert plan.predicted_time == pytest.approx(
         costs.step_time(3, 3 + 5, {"draft": [1, 1, 1]}, {"draft": 0}) - costs.overhead)
@@ -229,7 +229,7 @@ def test_a_copy_in_progress_is_drafted_deep(seed):
     ks = []
     for _ in range(60):
         plan = policy.plan(sim.view())
-        verified = tuple(Verified(rid, d.method, d.k, accepted_by_position(sim.rng, 0.6, 0.95, d.k))
+        verified = tuple(Verified(rid, d.proposer, d.k, accepted_by_position(sim.rng, 0.6, 0.95, d.k))
                          for rid, d in plan.drafts.items() if d.k)
         policy.observe(plan, StepOutcome(verified, None))
         ks.append(sum(d.k for d in plan.drafts.values()) / 4)

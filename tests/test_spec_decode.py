@@ -330,7 +330,7 @@ def sample_sequences(target: str, spec: dict, prompt, params, num: int, seeded: 
         while engine.has_unfinished_requests():
             for out in engine.step():
                 seqs[out.request_id].extend(out.new_token_ids)
-            methods = {m for m, _, _ in engine.last_stats.drafts_by_method} if engine.last_stats else set()
+            methods = {m for m, _, _ in engine.last_stats.drafts_by_proposer} if engine.last_stats else set()
             sample_sequences.mixed_passes += methods >= {"draft", "ngram"}
             sample_sequences.tree_drafts += engine.last_stats.num_tree_drafts if engine.last_stats else 0
         for tokens in seqs.values():

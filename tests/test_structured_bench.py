@@ -97,7 +97,7 @@ def test_speed_ratio_pools_tokens_and_seconds_and_keeps_each_round():
 
 
 def step_stats(mask=True, **values):
-    stats = dict(draft_time_s=0.01, verify_time_s=0.09, drafts_by_method=(("grammar", 3, 3), ("ngram", 4, 1)))
+    stats = dict(draft_time_s=0.01, verify_time_s=0.09, drafts_by_proposer=(("grammar", 3, 3), ("ngram", 4, 1)))
     if mask:
         stats.update(mask_time_s=0.005, num_masked_rows=5)
     return SimpleNamespace(**{**stats, **values})

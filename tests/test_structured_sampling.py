@@ -225,7 +225,7 @@ def sample_outputs(engine: Engine, num: int, params: SamplingParams | list[Sampl
                     if out.finished:
                         run.finish_reasons[out.finish_reason] += 1
                 if engine.num_steps > steps:   # a pass ran (none does while requests wait for a grammar)
-                    run.methods.update(m for m, verified, _ in engine.last_stats.drafts_by_method if verified)
+                    run.methods.update(m for m, verified, _ in engine.last_stats.drafts_by_proposer if verified)
             run.counts.update(tuple(tokens) for tokens in outputs.values())
     finally:
         engine.spec.router.propose, engine_loop.verify = propose, verify

@@ -74,7 +74,7 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    method: str
+    name: str
 
     def offer(self, request: Request, limit: int, max_nodes: int = 0) -> Offer:
         """What it can draft for the request now: a chain of at most `limit` (n-gram: its match) and,
@@ -104,34 +104,34 @@ class Router:
 
     @property
     def proposers(self) -> Mapping[str, Proposer]:
-        """The proposers by method, read only (replace() swaps one)."""
+        """The proposers by name, read only (replace() swaps one)."""
         return MappingProxyType(self._proposers)
 
     @property
-    def methods(self) -> list[str]:
+    def names(self) -> list[str]:
         return list(self._proposers)
 
-    def replace(self, method: str, proposer: Proposer) -> Proposer:
-        """Put `proposer` in the place of the one drafting as `method` (benches and tests swap in
+    def replace(self, name: str, proposer: Proposer) -> Proposer:
+        """Put `proposer` in the place of the one drafting as `name` (benches and tests swap in
         scripted drafts this way); returns the one it replaced."""
-        replaced = self._proposers[method]
-        self._proposers[method] = proposer
+        replaced = self._proposers[name]
+        self._proposers[name] = proposer
         return replaced
 
-    def offers(self, request: Request, methods: list[str], limit: int, max_nodes: int) -> dict[str, Offer]:
+    def offers(self, request: Request, names: list[str], limit: int, max_nodes: int) -> dict[str, Offer]:
         """What each of these proposers can offer the request now."""
-        return {m: self._proposers[m].offer(request, limit, max_nodes) for m in methods}
+        return {m: self._proposers[m].offer(request, limit, max_nodes) for m in names}
 
     def propose(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> Proposal:
-        """plan.drafts: request id -> Draft (method, k, p_min); plan.offers: request id -> what that
-        method offered the request."""
+        """plan.drafts: request id -> Draft (proposer, k, p_min); plan.offers: request id -> what that
+        proposer offered the request."""
         drafts: list[list[int]] = [[] for _ in scheduled]
         trees: list[DraftTree | None] = [None for _ in scheduled]
         model_probs: list[tuple[list[int], torch.Tensor]] = []
         forwards: list[DraftForward] = []
-        for method, proposer in self._proposers.items():
+        for name, proposer in self._proposers.items():
             mine = [i for i, item in enumerate(scheduled) if item.num_lookahead > 0
-                    and plan.drafts[item.request.request_id].method == method]
+                    and plan.drafts[item.request.request_id].proposer == name]
             if not mine:
                 continue
             drafts_of = [plan.drafts[scheduled[i].request.request_id] for i in mine]
@@ -163,11 +163,11 @@ class Router:
             probs[torch.tensor(rows, device=probs.device), :width] = block[:, :width]
         return probs
 
-    def on_verified(self, request: Request, methods: list[str]) -> None:
+    def on_verified(self, request: Request, names: list[str]) -> None:
         """Verification ran for a request these proposers may draft for (the others never see it: a
-        request that pins one method adds nothing to another's shared cache)."""
-        for method in methods:
-            self._proposers[method].on_verified(request)
+        request that pins one proposer adds nothing to another's shared cache)."""
+        for name in names:
+            self._proposers[name].on_verified(request)
 
     def on_finish(self, request_id: str) -> None:
         for proposer in self._proposers.values():

@@ -71,19 +71,19 @@ class SpecDecoder:
     def configured_proposers(self) -> list[str]:
         """The proposers a request may name: the configured ones (the grammar's forced tokens are
         implicit, drafted for any constrained request whenever the engine speculates)."""
-        return [m for m in self.router.methods if m in PROPOSERS]
+        return [m for m in self.router.names if m in PROPOSERS]
 
     # ---- plan --------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
         """The policy's plan for the requests whose next pass is a decode."""
         decoding = self.scheduler.decoding()
-        if not decoding or not self.router.methods:
+        if not decoding or not self.router.names:
             return StepPlan()
         offers = {r.request_id: self._offers(r) for r in decoding}
         view = StepView(tuple(self._candidate(r, offers[r.request_id]) for r in decoding),
                         *self.scheduler.pending_prefill(len(decoding)))
         plan = self.policy.plan(view)
-        return dataclasses.replace(plan, offers={rid: offers[rid][d.method] for rid, d in plan.drafts.items()})
+        return dataclasses.replace(plan, offers={rid: offers[rid][d.proposer] for rid, d in plan.drafts.items()})
 
     def _offers(self, request: Request) -> dict[str, Offer]:
         """What each proposer the request may use can offer it now."""
@@ -113,8 +113,8 @@ class SpecDecoder:
         """The proposers this request may use: the engine's, narrowed by the request's own choice."""
         wanted = request.params.speculative_method
         if wanted is None or wanted == "auto":
-            return self.router.methods
-        return [m for m in self.router.methods if m == wanted or (m == "grammar" and wanted != "none")]
+            return self.router.names
+        return [m for m in self.router.names if m == wanted or (m == "grammar" and wanted != "none")]
 
     # ---- propose and verify ------------------------------------------------------------------
     def run(self, batch: SchedulerOutput, plan: StepPlan) -> StepResult:
@@ -139,7 +139,7 @@ class SpecDecoder:
 
     def _verified(self, batch: SchedulerOutput, plan: StepPlan, result: StepResult) -> tuple[Verified, ...]:
         proposal, accepted = result.proposal, result.verification.num_accepted
-        return tuple(Verified(item.request.request_id, plan.drafts[item.request.request_id].method,
+        return tuple(Verified(item.request.request_id, plan.drafts[item.request.request_id].proposer,
                               *_judged(proposal, i, accepted[i]), *_alternatives(proposal, i, result.verification))
                      for i, (item, drafts) in enumerate(zip(batch.scheduled, proposal.draft_token_ids))
                      if item.is_decode and drafts)

@@ -31,7 +31,7 @@ from engine.step_costs import DraftForward
 
 
 class DraftModelProposer:
-    method = "draft"
+    name = "draft"
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int, draft_temperature: float | None = None):
         self.runner = runner
@@ -108,7 +108,7 @@ class DraftModelProposer:
             if feeding:
                 self._expand_trees(tree_logits, [requests[g] for g in feeding], [growths[g] for g in feeding])
             # The .tolist() calls of the choices waited for the device: the step is over.
-            forwards.append(DraftForward(self.method, rows, catch_up, work_clock() - started))
+            forwards.append(DraftForward(self.name, rows, catch_up, work_clock() - started))
             active = [a for a in active if items[a].k > step + 1 and confidence[a] >= items[a].p_min
                       and drafts[a][-1] not in requests[a].eos_token_ids]   # nothing follows an end
             feeding = [g for g in feeding if growths[g].frontier]

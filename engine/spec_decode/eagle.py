@@ -31,7 +31,7 @@ from engine.spec_decode.tree_growth import TreeGrowth
 
 
 class EagleProposer(DraftModelProposer):
-    method = "eagle"
+    name = "eagle"
 
     def __init__(self, head: ModelRunner, target: ModelRunner, target_vocab_size: int,
                  draft_temperature: float | None = None):

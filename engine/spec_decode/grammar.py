@@ -13,7 +13,7 @@ from engine.spec_decode.base import DraftJob, Offer, Proposal
 
 
 class GrammarProposer:
-    method = "grammar"
+    name = "grammar"
 
     def forced(self, request: Request, limit: int) -> list[int]:
         if request.grammar is None or limit <= 0:

@@ -78,7 +78,7 @@ class NgramIndex:
 class NgramProposer:
     """Free drafts from the request's own context. The engine asks for the match first (offer), so
     budget and blocks are reserved only for drafts that exist."""
-    method = "ngram"
+    name = "ngram"
 
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ngram_min = ngram_min

@@ -63,7 +63,7 @@ class StepView:
 
 @dataclass(frozen=True)
 class Draft:
-    method: str
+    proposer: str
     k: int
     p_min: float = 0.0    # confidence stop: draft while the draft's chance of its tokens so far stays >= p_min
     probe: bool = False   # drafted to learn whether acceptance is (back) up
@@ -89,7 +89,7 @@ class StepPlan:
 @dataclass(frozen=True)
 class Verified:
     request_id: str
-    method: str
+    proposer: str
     num_drafted: int
     num_accepted: int
     alternatives_chance: float = 0.0   # a tree's alternatives: their chances summed (Calibration)
@@ -114,14 +114,14 @@ def plan_time(costs: StepCosts, view: StepView, ks: dict[str, tuple]) -> float:
     forwards: dict[str, list[int]] = {}
     catch_up: dict[str, int] = {}
     by_id = {c.request_id: c for c in view.candidates}
-    for rid, (method, k, *tree) in ks.items():
-        if method in MODEL_PROPOSERS:
-            rows = forwards.setdefault(method, [])
+    for rid, (proposer, k, *tree) in ks.items():
+        if proposer in MODEL_PROPOSERS:
+            rows = forwards.setdefault(proposer, [])
             per_forward = forward_rows(tree[0], k) if tree else forward_rows(k, None)
             rows += [0] * (len(per_forward) - len(rows))
             for j, n in enumerate(per_forward):
                 rows[j] += n
-            catch_up[method] = catch_up.get(method, 0) + by_id[rid].lags.get(method, 0)
+            catch_up[proposer] = catch_up.get(proposer, 0) + by_id[rid].lags.get(proposer, 0)
     num_drafts = sum(tree[0] if tree else k for _, k, *tree in ks.values())
     return costs.step_time(len(view.candidates) + view.num_prefill_seqs,
                            len(view.candidates) + view.num_prefill_tokens + num_drafts, forwards, catch_up)
@@ -142,7 +142,7 @@ def priced(costs: StepCosts, view: StepView, drafts: dict[str, Draft]) -> StepPl
     the metrics set against the measured draft + verify time."""
     if not costs.target.rows:
         return StepPlan(drafts)
-    planned = {rid: (d.method, d.k, d.slots) for rid, d in drafts.items()}
+    planned = {rid: (d.proposer, d.k, d.slots) for rid, d in drafts.items()}
     return StepPlan(drafts, plan_time(costs, view, planned) - costs.overhead)
 
 
@@ -155,19 +155,19 @@ def with_trees(costs: StepCosts, view: StepView, drafts: dict[str, Draft], shado
     chain's cost more than the chain's first: the cost tables' slope steepens), divided by the
     proposer's calibration (accepted alternatives per unit of chance promised); without, p_min."""
     offers = {c.request_id: c.trees for c in view.candidates}
-    widened = {rid: dataclasses.replace(d, nodes=offers[rid][d.method]) for rid, d in drafts.items()
-               if offers[rid].get(d.method, 0) > d.k}
+    widened = {rid: dataclasses.replace(d, nodes=offers[rid][d.proposer]) for rid, d in drafts.items()
+               if offers[rid].get(d.proposer, 0) > d.k}
     if not widened:
         return drafts
     bar = None
     if shadow is not None and costs.target.rows:
-        chains = {rid: (d.method, d.k) for rid, d in drafts.items()}
-        trees = {**chains, **{rid: (d.method, d.k, d.slots) for rid, d in widened.items()}}
+        chains = {rid: (d.proposer, d.k) for rid, d in drafts.items()}
+        trees = {**chains, **{rid: (d.proposer, d.k, d.slots) for rid, d in widened.items()}}
         extra = sum(d.slots - d.k for d in widened.values())
         bar = min(1.0, shadow * (plan_time(costs, view, trees) - plan_time(costs, view, chains)) / extra)
     calibration = calibration or {}
     return {**drafts, **{rid: dataclasses.replace(d, tree_p_min=d.p_min if bar is None else
-                                                  max(d.p_min, bar / calibration.get(d.method, 1.0)))
+                                                  max(d.p_min, bar / calibration.get(d.proposer, 1.0)))
                          for rid, d in widened.items()}}
 
 
@@ -175,15 +175,15 @@ class StaticPolicy:
     """gamma drafts (or as many as the proposer offers) every step, from the first usable proposer
     (in a draft tree with every alternative the proposer offers, when it offers one)."""
 
-    def __init__(self, methods: list[str], gamma: int, costs: StepCosts, p_min: float | None = None):
-        self.methods, self.gamma, self.costs, self.p_min = list(methods), gamma, costs, p_min or 0.0
+    def __init__(self, proposers: list[str], gamma: int, costs: StepCosts, p_min: float | None = None):
+        self.proposers, self.gamma, self.costs, self.p_min = list(proposers), gamma, costs, p_min or 0.0
 
     def plan(self, view: StepView) -> StepPlan:
         drafts = {}
         for c in view.candidates:
-            method = next((m for m in self.methods if c.caps.get(m, 0) > 0), None)
-            if method is not None:
-                drafts[c.request_id] = Draft(method, min(self.gamma, c.caps[method]), self.p_min)
+            proposer = next((m for m in self.proposers if c.caps.get(m, 0) > 0), None)
+            if proposer is not None:
+                drafts[c.request_id] = Draft(proposer, min(self.gamma, c.caps[proposer]), self.p_min)
         return priced(self.costs, view, with_trees(self.costs, view, drafts))
 
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
@@ -215,7 +215,7 @@ def paying_depth(first: float, rest: float, bar: float, cap: int) -> int:
 @dataclass
 class _Choice:
     """A request's best draft at one shadow price: proposer, k, rates (first, rest), seconds per draft token."""
-    method: str
+    proposer: str
     k: int
     rates: tuple[float, float]
     row: float
@@ -226,30 +226,30 @@ class GoodputPolicy:
     explore = EXPLORE
     pricing_rounds = 2       # the second prices drafts at the goodput the first found
 
-    def __init__(self, methods: list[str], costs: StepCosts, p_min: float | None = None):
-        self.methods, self.costs, self.fixed_p_min = list(methods), costs, p_min
-        self.pool = {m: DraftRates(POOL_FORGET) for m in self.methods}   # the engine-wide rates per proposer
+    def __init__(self, proposers: list[str], costs: StepCosts, p_min: float | None = None):
+        self.proposers, self.costs, self.fixed_p_min = list(proposers), costs, p_min
+        self.pool = {m: DraftRates(POOL_FORGET) for m in self.proposers}   # the engine-wide rates per proposer
         self.rates: dict[str, dict[str, DraftRates]] = {}   # request id -> proposer -> its own rates
         self.credit = 0.0   # the exploration budget, seconds
         self.refund = 0.0   # seconds an accepted probe token is worth (a plain token at the probe's batch)
-        self.calibration = {m: Calibration() for m in self.methods}   # per proposer, its tree alternatives'
+        self.calibration = {m: Calibration() for m in self.proposers}   # per proposer, its tree alternatives'
 
     # ---- estimates ---------------------------------------------------------------
-    def _own(self, rid: str, method: str) -> DraftRates:
+    def _own(self, rid: str, proposer: str) -> DraftRates:
         rates = self.rates.setdefault(rid, {})
-        if method not in rates:
-            rates[method] = DraftRates()
-        return rates[method]
+        if proposer not in rates:
+            rates[proposer] = DraftRates()
+        return rates[proposer]
 
-    def acceptance(self, rid: str, method: str) -> tuple[float, float]:
+    def acceptance(self, rid: str, proposer: str) -> tuple[float, float]:
         """(first, rest): the request's rates, shrunk toward the engine-wide ones."""
-        return self._own(rid, method).mean(self.pool[method].mean(), PRIOR_WEIGHT)
+        return self._own(rid, proposer).mean(self.pool[proposer].mean(), PRIOR_WEIGHT)
 
-    def optimistic(self, rid: str, method: str) -> tuple[float, float]:
+    def optimistic(self, rid: str, proposer: str) -> tuple[float, float]:
         """The first rate at its optimistic bound, the later ones at their mean: the first token gates
         whether a request drafts at all, and a probe tests it (an untested continuation's wide bound
         would make every probe a deep, dear one)."""
-        rates, prior = self._own(rid, method), self.pool[method].mean()
+        rates, prior = self._own(rid, proposer), self.pool[proposer].mean()
         return rates.first.upper(prior[0], PRIOR_WEIGHT), rates.rest.mean(prior[1], PRIOR_WEIGHT)
 
     # ---- the plan ----------------------------------------------------------------
@@ -274,7 +274,7 @@ class GoodputPolicy:
             shadow = max(shadow, depth_rate)
         if best_rate < (1.0 + self.hurdle) * plain_rate:
             ks = {}
-        drafts = {rid: Draft(method, k, self._p_min(shadow, rows[method])) for rid, (method, k) in ks.items()}
+        drafts = {rid: Draft(proposer, k, self._p_min(shadow, rows[proposer])) for rid, (proposer, k) in ks.items()}
         drafts.update(self._probes(view, drafts, shadow, decode_time, rows))
         calibration = {m: c.ratio() for m, c in self.calibration.items()}
         return priced(self.costs, view, with_trees(self.costs, view, drafts, shadow, calibration))
@@ -288,43 +288,43 @@ class GoodputPolicy:
     def _row_prices(self, token: float, batch: int) -> dict[str, float]:
         """Seconds of one draft token per proposer: a target row, and for a model proposer its share
         of a forward over the batch."""
-        return {m: token + (self.costs.draft(m)(batch) / batch if m in MODEL_PROPOSERS else 0.0) for m in self.methods}
+        return {m: token + (self.costs.draft(m)(batch) / batch if m in MODEL_PROPOSERS else 0.0) for m in self.proposers}
 
     def _choose(self, c: Candidate, shadow: float, rows: dict[str, float], optimistic: bool = False
                 ) -> _Choice | None:
         """The proposer and k that net this request the most expected tokens less their seconds
         at the shadow price (at the optimistic bound of acceptance, if asked); None when no draft pays."""
         best, best_value = None, 0.0
-        for method in self.methods:
-            cap = c.caps.get(method, 0)
+        for proposer in self.proposers:
+            cap = c.caps.get(proposer, 0)
             if cap <= 0:
                 continue
-            rates = (self.optimistic if optimistic else self.acceptance)(c.request_id, method)
-            row = rows[method]
+            rates = (self.optimistic if optimistic else self.acceptance)(c.request_id, proposer)
+            row = rows[proposer]
             k = paying_depth(*rates, shadow * row, cap)   # shadow * row: the chance a draft token needs to pay
             tokens = expected_tokens(*rates, k)
-            value = tokens - shadow * (k * row + self._catch_up_share(c, method, tokens))
+            value = tokens - shadow * (k * row + self._catch_up_share(c, proposer, tokens))
             if k > 0 and value > best_value:
-                best, best_value = _Choice(method, k, rates, row), value
+                best, best_value = _Choice(proposer, k, rates, row), value
         return best
 
-    def _catch_up(self, c: Candidate, method: str) -> float:
+    def _catch_up(self, c: Candidate, proposer: str) -> float:
         """Seconds a model proposer spends first catching up on the request (its prompt, at first)."""
-        return self.costs.draft(method).catch_up(c.lags.get(method, 0)) if method in MODEL_PROPOSERS else 0.0
+        return self.costs.draft(proposer).catch_up(c.lags.get(proposer, 0)) if proposer in MODEL_PROPOSERS else 0.0
 
-    def _catch_up_share(self, c: Candidate, method: str, tokens: float) -> float:
+    def _catch_up_share(self, c: Candidate, proposer: str, tokens: float) -> float:
         """The catch-up's share charged to a step that expects `tokens` drafts accepted: catching up
         buys drafting for the rest of the request, so its price is spread over the tokens the request
         may still generate. Charged whole to one step, a draft model's first catch-up (the whole
         prompt) outweighs any one step's gain, and a draft the target accepts almost always would
         never be tried."""
-        full = self._catch_up(c, method)
+        full = self._catch_up(c, proposer)
         return full * min(1.0, (1.0 + tokens) / max(c.remaining, 1))
 
-    def _catch_up_rebate(self, c: Candidate, method: str, tokens: float) -> float:
+    def _catch_up_rebate(self, c: Candidate, proposer: str, tokens: float) -> float:
         """What a step's price (plan_time, which counts a catch-up whole) overstates: all of the catch-up
         but the step's share of it."""
-        return self._catch_up(c, method) - self._catch_up_share(c, method, tokens)
+        return self._catch_up(c, proposer) - self._catch_up_share(c, proposer, tokens)
 
     def _best_depth(self, view: StepView, choices: dict[str, _Choice], sunk: float
                     ) -> tuple[dict[str, tuple[str, int]], float]:
@@ -333,10 +333,10 @@ class GoodputPolicy:
         best, best_rate = {}, 0.0
         by_id = {c.request_id: c for c in view.candidates}
         for depth in range(1, max((c.k for c in choices.values()), default=0) + 1):
-            ks = {rid: (c.method, min(c.k, depth)) for rid, c in choices.items()}
+            ks = {rid: (c.proposer, min(c.k, depth)) for rid, c in choices.items()}
             drafted = {rid: expected_tokens(*c.rates, min(c.k, depth)) for rid, c in choices.items()}
             tokens = len(view.candidates) + sum(drafted.values())
-            rebate = sum(self._catch_up_rebate(by_id[rid], c.method, drafted[rid]) for rid, c in choices.items())
+            rebate = sum(self._catch_up_rebate(by_id[rid], c.proposer, drafted[rid]) for rid, c in choices.items())
             rate = tokens / (plan_time(self.costs, view, ks) - rebate - sunk)
             if rate > best_rate:
                 best, best_rate = ks, rate
@@ -357,33 +357,33 @@ class GoodputPolicy:
         plain pass)."""
         idle = [c for c in view.candidates if c.request_id not in drafts and any(c.caps.values())]
         for c in idle:
-            for method in (m for m in self.methods if c.caps.get(m, 0) > 0):
-                self._own(c.request_id, method).age()
+            for proposer in (m for m in self.proposers if c.caps.get(m, 0) > 0):
+                self._own(c.request_id, proposer).age()
         self.credit += self.explore * plain_time
         self.refund = plain_time / len(view.candidates)   # a plain token at this batch
         choices = {c.request_id: self._choose(c, shadow, rows, optimistic=True) for c in idle}
         choices = {rid: choice for rid, choice in choices.items() if choice is not None}
-        planned = {rid: (d.method, d.k) for rid, d in drafts.items()}
-        price = plan_time(self.costs, view, {**planned, **{rid: (c.method, c.k) for rid, c in choices.items()}}) - \
+        planned = {rid: (d.proposer, d.k) for rid, d in drafts.items()}
+        price = plan_time(self.costs, view, {**planned, **{rid: (c.proposer, c.k) for rid, c in choices.items()}}) - \
             plan_time(self.costs, view, planned) if choices else 0.0
         by_id = {c.request_id: c for c in idle}   # catch-ups are investments: the probe pays its share
-        price -= sum(self._catch_up_rebate(by_id[rid], c.method, c.k) for rid, c in choices.items())
+        price -= sum(self._catch_up_rebate(by_id[rid], c.proposer, c.k) for rid, c in choices.items())
         self.credit = min(self.credit, max(price, plain_time))
         if not choices or self.credit < price:
             return {}
         self.credit -= price
-        return {rid: Draft(c.method, c.k, self._p_min(shadow, c.row), probe=True) for rid, c in choices.items()}
+        return {rid: Draft(c.proposer, c.k, self._p_min(shadow, c.row), probe=True) for rid, c in choices.items()}
 
     # ---- feedback ------------------------------------------------------------------
     def observe(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        for method, calibration in self.calibration.items():
-            calibration.observe(sum(v.alternatives_chance for v in outcome.verified if v.method == method),
-                                sum(v.alternatives_accepted for v in outcome.verified if v.method == method))
+        for proposer, calibration in self.calibration.items():
+            calibration.observe(sum(v.alternatives_chance for v in outcome.verified if v.proposer == proposer),
+                                sum(v.alternatives_accepted for v in outcome.verified if v.proposer == proposer))
         for v in outcome.verified:
-            if v.method not in self.pool or v.num_drafted == 0:
+            if v.proposer not in self.pool or v.num_drafted == 0:
                 continue
-            self._own(v.request_id, v.method).observe(v.num_drafted, v.num_accepted)
-            self.pool[v.method].observe(v.num_drafted, v.num_accepted)
+            self._own(v.request_id, v.proposer).observe(v.num_drafted, v.num_accepted)
+            self.pool[v.proposer].observe(v.num_drafted, v.num_accepted)
             draft = plan.drafts.get(v.request_id)
             if draft is not None and draft.probe:   # what a probe wins pays for probing
                 self.credit += v.num_accepted * self.refund

@@ -238,7 +238,7 @@ class SharedSuffixCache:
 
 class SuffixProposer:
     """Free drafts from the request's own context and from recent requests' outputs."""
-    method = "suffix"
+    name = "suffix"
 
     def __init__(self, max_match: int = 24, cache_tokens: int = 1 << 16, min_prob: float = 0.1,
                  min_score: int = 2, spec_factor: float = 1.0, max_q: int = 3):
