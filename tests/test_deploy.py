@@ -54,7 +54,7 @@ def exported() -> dict[str, str]:
         num_drafts=2, num_draft_tokens=8, num_accepted_tokens=3, num_target_forwards=2,
         accepted_per_position=(2, 1, 0, 0), accepted_lengths=(2, 1), draft_time_s=0.002,
         verify_time_s=0.01, plain_step_time_s=0.008, pure_decode=True,
-        chosen_k=(4, 4), drafts_by_method=(("draft", 4, 2), ("ngram", 4, 1)), predicted_time_s=0.011,
+        chosen_k=(4, 4), drafts_by_proposer=(("draft", 4, 2), ("ngram", 4, 1)), predicted_time_s=0.011,
         mask_time_s=0.0004, num_masked_rows=5, grammar_compile_s=(0.002,), grammar_cache_hits=1))
     metrics.observe_structured("json_schema")
     metrics.observe_request(RequestOutput("r", [1], finished=True, finish_reason="stop",
