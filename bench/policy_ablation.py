@@ -34,7 +34,7 @@ from workloads import agent_sessions, chat_sessions  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.spec_decode.estimates import FORGET, POOL_FORGET, AcceptanceRate, DraftRates  # noqa: E402
-from engine.spec_decode.policy import GoodputPolicy, StepView, expected_tokens, plan_time  # noqa: E402
+from engine.spec_decode.policy import GoodputPolicy, StepView  # noqa: E402
 from server.config import load_config  # noqa: E402
 
 
@@ -67,11 +67,7 @@ class NoDepthCut(GoodputPolicy):
     def _best_depth(self, view, choices, sunk):
         if not choices:
             return {}, 0.0
-        by_id = {c.request_id: c for c in view.candidates}
-        ks = {rid: (c.proposer, c.k) for rid, c in choices.items()}
-        drafted = {rid: expected_tokens(*c.rates, c.k) for rid, c in choices.items()}
-        rebate = sum(self._catch_up_rebate(by_id[rid], c.proposer, drafted[rid]) for rid, c in choices.items())
-        return ks, (len(view.candidates) + sum(drafted.values())) / (plan_time(self.costs, view, ks) - rebate - sunk)
+        return self._at_depth(view, choices, sunk, max(c.k for c in choices.values()))
 
 
 class CatchUpWhole(GoodputPolicy):

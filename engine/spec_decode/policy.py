@@ -331,16 +331,21 @@ class GoodputPolicy:
         """The choices cut at the depth whose exact step time (less the prompts' sunk share) gives the best
         goodput."""
         best, best_rate = {}, 0.0
-        by_id = {c.request_id: c for c in view.candidates}
         for depth in range(1, max((c.k for c in choices.values()), default=0) + 1):
-            ks = {rid: (c.proposer, min(c.k, depth)) for rid, c in choices.items()}
-            drafted = {rid: expected_tokens(*c.rates, min(c.k, depth)) for rid, c in choices.items()}
-            tokens = len(view.candidates) + sum(drafted.values())
-            rebate = sum(self._catch_up_rebate(by_id[rid], c.proposer, drafted[rid]) for rid, c in choices.items())
-            rate = tokens / (plan_time(self.costs, view, ks) - rebate - sunk)
+            ks, rate = self._at_depth(view, choices, sunk, depth)
             if rate > best_rate:
                 best, best_rate = ks, rate
         return best, best_rate
+
+    def _at_depth(self, view: StepView, choices: dict[str, _Choice], sunk: float, depth: int
+                  ) -> tuple[dict[str, tuple[str, int]], float]:
+        """The choices cut at `depth` drafts, and the goodput of that step by its exact time."""
+        by_id = {c.request_id: c for c in view.candidates}
+        ks = {rid: (c.proposer, min(c.k, depth)) for rid, c in choices.items()}
+        drafted = {rid: expected_tokens(*c.rates, min(c.k, depth)) for rid, c in choices.items()}
+        tokens = len(view.candidates) + sum(drafted.values())
+        rebate = sum(self._catch_up_rebate(by_id[rid], c.proposer, drafted[rid]) for rid, c in choices.items())
+        return ks, tokens / (plan_time(self.costs, view, ks) - rebate - sunk)
 
     def _p_min(self, shadow: float, row: float) -> float:
         """The break-even chance of one more draft token: its row priced at the step's goodput."""
